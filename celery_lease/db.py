@@ -1,0 +1,422 @@
+"""SQL plumbing shared by the SQL lease store, the fenced result table and fencing.
+
+One :class:`Database` per URL and process: an SQLAlchemy engine, the
+dialect's clock, driver errors translated in one place (:meth:`Database.errors`),
+and every SQL statement celery-lease runs, as named constants below, so the
+queries can be read (and reviewed for locking order) in one file.
+
+Locking order, the same everywhere, so no two operations deadlock:
+fence row (``celery_lease_fences``) first, then the lease row.
+
+PostgreSQL runs single statements in autocommit (one round trip each) and
+multi-statement work in READ COMMITTED transactions. SQLite runs everything
+in ``BEGIN IMMEDIATE`` transactions (one writer at a time, WAL journal), so
+its operations serialize without row locks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import resources
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event, exc
+from sqlalchemy.engine import make_url
+
+from celery_lease.exceptions import LeaseConfigError, LeaseError, StoreUnavailable
+from celery_lease.schema import VERSION_TABLE
+
+__all__ = ["Database", "database", "migrate", "normalize_sql_url"]
+
+
+def normalize_sql_url(url: str) -> str:
+    """Map ``postgresql://``/``postgres://`` to the psycopg 3 driver; keep others as given."""
+    for plain in ("postgresql://", "postgres://"):
+        if url.startswith(plain):
+            return "postgresql+psycopg://" + url[len(plain) :]
+    return url
+
+
+# ---------------------------------------------------------------------------
+# Clocks: the database's own, in epoch seconds.
+
+NOW = {
+    "postgresql": "extract(epoch FROM clock_timestamp())::double precision",
+    "sqlite": "((julianday('now') - 2440587.5) * 86400.0)",
+}
+
+# ---------------------------------------------------------------------------
+# Lease statements. Parameters are always bound, never formatted in.
+
+#: PostgreSQL, one key, one statement: lock the key's fence row (if any), insert
+#: or take over an expired/free lease row with a token larger than both the
+#: row's and the fence's, and register that token in the fence row.
+PG_CLAIM_ONE = f"""
+WITH f AS (
+    SELECT fencing_token FROM celery_lease_fences WHERE resource = :key FOR UPDATE
+), t AS (
+    SELECT {NOW["postgresql"]} AS now
+), granted AS (
+    INSERT INTO celery_lease_leases AS l
+        (lease_key, owner_id, fencing_token, ttl, expires_at, acquired_at, renewed_at,
+         task_id, task_name, root_id, tenant)
+    SELECT :key, :owner_id, COALESCE((SELECT fencing_token FROM f), 0) + 1, :ttl,
+           t.now + :ttl, t.now, t.now, :task_id, :task_name, :root_id, :tenant
+    FROM t
+    ON CONFLICT (lease_key) DO UPDATE SET
+        owner_id = EXCLUDED.owner_id,
+        fencing_token = GREATEST(l.fencing_token + 1, EXCLUDED.fencing_token),
+        ttl = EXCLUDED.ttl,
+        expires_at = EXCLUDED.expires_at,
+        acquired_at = EXCLUDED.acquired_at,
+        renewed_at = EXCLUDED.renewed_at,
+        task_id = EXCLUDED.task_id,
+        task_name = EXCLUDED.task_name,
+        root_id = EXCLUDED.root_id,
+        tenant = EXCLUDED.tenant
+    WHERE l.owner_id IS NULL OR l.expires_at <= EXCLUDED.acquired_at
+        OR l.owner_id = EXCLUDED.owner_id
+    RETURNING l.lease_key, l.fencing_token, l.expires_at, l.acquired_at
+), fenced AS (
+    INSERT INTO celery_lease_fences AS fe (resource, fencing_token, updated_at)
+    SELECT lease_key, fencing_token, acquired_at FROM granted
+    ON CONFLICT (resource) DO UPDATE SET
+        fencing_token = GREATEST(fe.fencing_token, EXCLUDED.fencing_token),
+        updated_at = EXCLUDED.updated_at
+)
+SELECT fencing_token, expires_at, acquired_at FROM granted
+"""
+
+#: Several keys (and every SQLite claim), in one transaction: make the fence
+#: rows exist, lock them in key order (PostgreSQL), then read the lease rows.
+PG_ENSURE_FENCES = f"""
+INSERT INTO celery_lease_fences (resource, fencing_token, updated_at)
+SELECT k, 0, {NOW["postgresql"]} FROM unnest(CAST(:keys AS text[])) AS k ORDER BY k
+ON CONFLICT (resource) DO NOTHING
+"""
+PG_LOCK_FENCES = """
+SELECT resource, fencing_token FROM celery_lease_fences
+WHERE resource = ANY(CAST(:keys AS text[])) ORDER BY resource FOR UPDATE
+"""
+SELECT_FENCES_IN = """
+SELECT resource, fencing_token FROM celery_lease_fences WHERE resource IN ({keys})
+"""
+SELECT_LEASES_IN = """
+SELECT lease_key, owner_id, fencing_token, expires_at FROM celery_lease_leases
+WHERE lease_key IN ({keys})
+"""
+#: Conditional: a row some other claimer made live meanwhile is left alone,
+#: and the caller compares the returned row count with the number of keys.
+UPSERT_LEASE = """
+INSERT INTO celery_lease_leases AS l
+    (lease_key, owner_id, fencing_token, ttl, expires_at, acquired_at, renewed_at,
+     task_id, task_name, root_id, tenant)
+VALUES (:key, :owner_id, :token, :ttl, :now + :ttl, :now, :now,
+        :task_id, :task_name, :root_id, :tenant)
+ON CONFLICT (lease_key) DO UPDATE SET
+    owner_id = excluded.owner_id,
+    fencing_token = excluded.fencing_token,
+    ttl = excluded.ttl,
+    expires_at = excluded.expires_at,
+    acquired_at = excluded.acquired_at,
+    renewed_at = excluded.renewed_at,
+    task_id = excluded.task_id,
+    task_name = excluded.task_name,
+    root_id = excluded.root_id,
+    tenant = excluded.tenant
+WHERE (l.owner_id IS NULL OR l.expires_at <= :now OR l.owner_id = :owner_id)
+    AND l.fencing_token < excluded.fencing_token
+RETURNING lease_key
+"""
+#: Raise a fence to at least ``token``; never lowers it.
+RAISE_FENCE = """
+INSERT INTO celery_lease_fences AS fe (resource, fencing_token, updated_at)
+VALUES (:key, :token, :now)
+ON CONFLICT (resource) DO UPDATE SET
+    fencing_token = CASE WHEN fe.fencing_token > excluded.fencing_token
+                         THEN fe.fencing_token ELSE excluded.fencing_token END,
+    updated_at = excluded.updated_at
+"""
+
+#: Renew many leases at once: each (key, owner, token) row must still match a
+#: live lease. PostgreSQL: one statement for any number of leases.
+PG_RENEW_MANY = f"""
+WITH v AS (
+    SELECT * FROM unnest(CAST(:keys AS text[]), CAST(:owners AS text[]),
+                         CAST(:tokens AS bigint[]), CAST(:ttls AS double precision[]))
+        AS v(lease_key, owner_id, fencing_token, ttl)
+), t AS (SELECT {NOW["postgresql"]} AS now)
+UPDATE celery_lease_leases AS l
+SET expires_at = t.now + v.ttl, renewed_at = t.now, ttl = v.ttl
+FROM v, t
+WHERE l.lease_key = v.lease_key AND l.owner_id = v.owner_id
+    AND l.fencing_token = v.fencing_token AND l.expires_at > t.now
+RETURNING l.lease_key, l.owner_id, l.fencing_token, l.expires_at
+"""
+RENEW_ONE = """
+UPDATE celery_lease_leases SET expires_at = :now + :ttl, renewed_at = :now, ttl = :ttl
+WHERE lease_key = :key AND owner_id = :owner_id AND fencing_token = :token
+    AND expires_at > :now
+RETURNING lease_key, expires_at
+"""
+#: Release keeps the row (and its token); only a live lease of this owner and
+#: token is released, so the row count says whether it was still the owner.
+RELEASE_IN = """
+UPDATE celery_lease_leases SET owner_id = NULL, expires_at = {now}, renewed_at = {now}
+WHERE lease_key IN ({keys}) AND owner_id = :owner_id AND fencing_token = :token
+    AND expires_at > {now}
+RETURNING lease_key
+"""
+INSPECT = """
+SELECT l.lease_key, l.owner_id, l.fencing_token, l.expires_at, l.acquired_at, l.renewed_at,
+       l.ttl, l.task_id, l.task_name, l.root_id, l.tenant,
+       (SELECT fencing_token FROM celery_lease_fences WHERE resource = :key) AS fence,
+       {now} AS now
+FROM (SELECT 1) AS one
+LEFT JOIN celery_lease_leases AS l ON l.lease_key = :key
+"""
+LIST = r"""
+SELECT lease_key, owner_id, fencing_token, expires_at, acquired_at, renewed_at, ttl,
+       task_id, task_name, root_id, tenant, {now} AS now
+FROM celery_lease_leases
+WHERE lease_key LIKE :pattern ESCAPE '\'
+    AND (:expired OR (owner_id IS NOT NULL AND expires_at > {now}))
+ORDER BY lease_key
+"""
+#: Force release: free the row and raise the fence one past the evicted
+#: token, so the evicted owner's guarded writes are refused and the next
+#: grant is larger still.
+EVICT = """
+UPDATE celery_lease_leases SET owner_id = NULL, expires_at = :now, renewed_at = :now
+WHERE lease_key = :key
+RETURNING owner_id
+"""
+FENCE_TOKEN = """
+SELECT COALESCE(MAX(t), 0) FROM (
+    SELECT fencing_token AS t FROM celery_lease_fences WHERE resource = :key
+    UNION ALL
+    SELECT fencing_token AS t FROM celery_lease_leases WHERE lease_key = :key
+) AS both_tokens
+"""
+SELECT_NOW = "SELECT {now}"
+
+
+def in_list(prefix: str, n: int) -> tuple[str, list[str]]:
+    """``:p0, :p1, ...`` placeholders for an ``IN (...)`` of n bound values."""
+    names = [f"{prefix}{i}" for i in range(n)]
+    return ", ".join(f":{name}" for name in names), names
+
+
+# ---------------------------------------------------------------------------
+# Engines
+
+
+class Database:
+    """An engine for one URL in this process, with the dialect's details."""
+
+    def __init__(self, url: str, **engine_options: Any) -> None:
+        self.url = normalize_sql_url(url)
+        try:
+            parsed = make_url(self.url)
+        except exc.ArgumentError as e:
+            raise LeaseConfigError(f"not a database URL: {url!r} ({e})") from e
+        self.dialect = parsed.get_backend_name()
+        if self.dialect not in NOW:
+            raise LeaseConfigError(
+                f"unsupported database {self.dialect!r} in {url!r}: use "
+                "postgresql+psycopg://... or sqlite:///..."
+            )
+        self.now_sql = NOW[self.dialect]
+        self.is_sqlite = self.dialect == "sqlite"
+        options: dict[str, Any] = {"future": True}
+        if self.is_sqlite:
+            database = parsed.database or ""
+            if database in ("", ":memory:"):
+                raise LeaseConfigError(
+                    "an SQLite lease store needs a file shared by all processes: sqlite:///path"
+                )
+            self.sqlite_path: str | None = os.path.abspath(database)
+            options["connect_args"] = {"timeout": 30.0, "check_same_thread": False}
+        else:
+            self.sqlite_path = None
+            options["connect_args"] = {"connect_timeout": 5}
+            options["pool_size"] = 5
+            options["max_overflow"] = 20
+        options.update(engine_options)
+        self.engine: Engine = create_engine(self.url, **options)
+        if self.is_sqlite:
+            _sqlite_listeners(self.engine)
+            self.single_engine: Engine = self.engine
+        else:
+            self.single_engine = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        self._migrated = False
+        _after_fork_dispose(self)
+
+    # -- running statements ------------------------------------------------
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """A short transaction (``BEGIN IMMEDIATE`` on SQLite); errors translated."""
+        with self.errors(), self.engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def single(self) -> Iterator[Connection]:
+        """A connection for one statement: autocommit on PostgreSQL (one round trip)."""
+        with self.errors(), self.single_engine.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def errors(self) -> Iterator[None]:
+        """Translate driver errors into celery-lease's (the one place that does)."""
+        try:
+            yield
+        except exc.DBAPIError as e:
+            raise translate_error(e, self.url) from e
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    def now(self) -> float:
+        with self.single() as conn:
+            return float(conn.exec_driver_sql(SELECT_NOW.format(now=self.now_sql)).scalar_one())
+
+    def ensure_schema(self) -> None:
+        """SQLite only: apply the migrations on first use (the embedded default)."""
+        if self._migrated or not self.is_sqlite:
+            return
+        migrate(self.url, _database=self)
+        self._migrated = True
+
+
+def translate_error(e: exc.DBAPIError, url: str) -> LeaseError:
+    from celery_lease.stores.base import redact_url
+
+    text = str(e.orig) if e.orig is not None else str(e)
+    lowered = text.lower()
+    if "no such table" in lowered or ("does not exist" in lowered and "relation" in lowered):
+        return LeaseConfigError(
+            f"celery-lease tables are missing in {redact_url(url)}: run "
+            f"`celery -A proj lease migrate` (or celery_lease.migrate(url)) first ({text.strip()})"
+        )
+    if isinstance(e, (exc.OperationalError, exc.InterfaceError)) or e.connection_invalidated:
+        return StoreUnavailable(f"database {redact_url(url)} unavailable: {text.strip()}")
+    if "deadlock detected" in lowered or "could not serialize" in lowered:
+        return StoreUnavailable(f"database {redact_url(url)}: transient conflict: {text.strip()}")
+    return LeaseError(f"database {redact_url(url)}: {text.strip()}")
+
+
+def _sqlite_listeners(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, connection_record: Any) -> None:
+        dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+_databases: dict[str, Database] = {}
+_databases_lock = threading.Lock()
+
+
+def database(url: str) -> Database:
+    """The process-wide :class:`Database` for ``url`` (shared by store, results, fencing)."""
+    key = normalize_sql_url(url)
+    with _databases_lock:
+        db = _databases.get(key)
+        if db is None:
+            db = _databases[key] = Database(key)
+        return db
+
+
+def _after_fork_dispose(db: Database) -> None:
+    """Never share pooled connections across fork: the child starts a fresh pool."""
+    ref = weakref.ref(db)
+
+    def _reset() -> None:
+        d = ref()
+        if d is not None:
+            d.engine.dispose(close=False)
+
+    os.register_at_fork(after_in_child=_reset)
+
+
+# ---------------------------------------------------------------------------
+# Migrations
+
+
+def _alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(resources.files("celery_lease.migrations")))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.set_main_option("version_table", VERSION_TABLE)
+    return cfg
+
+
+def migrate(url: str, revision: str = "head", *, _database: Database | None = None) -> None:
+    """Apply celery-lease's migrations to ``url`` (up to ``revision``).
+
+    Safe to run from several processes at once (SQLite: a file lock; PostgreSQL:
+    an advisory lock), and a no-op when already at ``revision``.
+    """
+    from alembic import command
+
+    db = _database or database(url)
+    cfg = _alembic_config(db.url)
+    if db.is_sqlite:
+        assert db.sqlite_path is not None
+        os.makedirs(os.path.dirname(db.sqlite_path) or ".", exist_ok=True)
+        with open(db.sqlite_path + ".migrate-lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                with db.errors(), db.engine.connect() as conn:
+                    cfg.attributes["connection"] = conn
+                    command.upgrade(cfg, revision)
+                    conn.commit()
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        return
+    with db.errors(), db.engine.connect() as conn:
+        conn.exec_driver_sql("SELECT pg_advisory_lock(7244231)")
+        try:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+            conn.commit()
+        finally:
+            conn.exec_driver_sql("SELECT pg_advisory_unlock(7244231)")
+            conn.commit()
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    """Undo celery-lease's migrations down to ``revision`` (``base`` drops its tables)."""
+    from alembic import command
+
+    db = database(url)
+    cfg = _alembic_config(db.url)
+    with db.errors(), db.engine.connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
+        conn.commit()
+
+
+def check(url: str) -> None:
+    """Raise if the database schema differs from :mod:`celery_lease.schema` (``alembic check``)."""
+    from alembic import command
+
+    db = database(url)
+    cfg = _alembic_config(db.url)
+    with db.errors(), db.engine.connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.check(cfg)

@@ -1,0 +1,96 @@
+"""One exception root for everything celery-lease raises.
+
+Driver errors (redis-py, SQLAlchemy/psycopg, sqlite3) are translated at the
+store boundary into :class:`StoreUnavailable` (transient: the caller may retry
+within the lease's validity) so no caller ever needs ``except Exception``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DuplicateResult",
+    "LeaseConfigError",
+    "LeaseError",
+    "LeaseLost",
+    "LeaseNotAcquired",
+    "ResultNotSerializable",
+    "ResultTooLarge",
+    "StaleFencingToken",
+    "StoreUnavailable",
+]
+
+
+class LeaseError(Exception):
+    """Root of every error celery-lease raises."""
+
+
+class _Structured(LeaseError):
+    """An error whose ``args`` are its constructor arguments.
+
+    Celery's JSON result serializer rebuilds an exception as ``cls(*args)``, so
+    the arguments, not the formatted message, must be in ``args``.
+    """
+
+    _message = ""
+
+    def __str__(self) -> str:
+        return self._message
+
+
+class LeaseNotAcquired(_Structured):
+    """Another live owner holds (one of) the key(s)."""
+
+    def __init__(self, key: str, holder: str | None = None, remaining: float | None = None):
+        self.key = key
+        self.holder = holder
+        self.remaining = remaining
+        detail = f" (held by {holder}, {remaining:.1f}s left)" if holder and remaining else ""
+        super().__init__(key, holder, remaining)
+        self._message = f"lease {key!r} is held by another owner{detail}"
+
+
+class LeaseLost(LeaseError):
+    """Ownership is gone: the lease expired, was evicted, or could not be renewed."""
+
+
+class StaleFencingToken(_Structured):
+    """A write carried a token older than the newest one issued for its key or resource."""
+
+    def __init__(self, key: str, token: int, current: int | None = None, reason: str = ""):
+        self.key = key
+        self.token = token
+        self.current = current
+        self.reason = reason
+        super().__init__(key, token, current, reason)
+        msg = f"stale fencing token {token} for {key!r}"
+        if current is not None:
+            msg += f" (newest is {current})"
+        self._message = msg + (f": {reason}" if reason else "")
+
+
+class DuplicateResult(_Structured):
+    """``once`` mode: the key already has an accepted result; this execution is a duplicate."""
+
+    def __init__(self, key: str, accepted_token: int | None = None):
+        self.key = key
+        self.accepted_token = accepted_token
+        super().__init__(key, accepted_token)
+        self._message = f"key {key!r} already has an accepted result" + (
+            f" (token {accepted_token})" if accepted_token is not None else ""
+        )
+
+
+class LeaseConfigError(LeaseError, ValueError):
+    """A ``lease_*`` setting, task option or key template is wrong."""
+
+
+class StoreUnavailable(LeaseError):
+    """The lease store or result database could not be reached (transient)."""
+
+
+class ResultNotSerializable(LeaseError, TypeError):
+    """A task's return value cannot be stored as JSON."""
+
+
+class ResultTooLarge(LeaseError, ValueError):
+    """A task's JSON-encoded return value exceeds ``lease_result_max_bytes``."""

@@ -1,0 +1,300 @@
+"""The per-process renewal timer and the handle a holder works with.
+
+One daemon thread per process (started lazily, and never inherited across
+``fork``: the child starts its own on first use) renews every lease the
+process holds, grouped by store, each group in one ``renew_many`` round trip.
+
+The *local view* of a lease: a renewal sent at monotonic time ``s`` and
+confirmed by the store keeps the lease valid locally until
+``s + ttl - clock_drift``. The store extended it from a moment after ``s``,
+so the local view never outlives the store's. When a renewal is refused,
+or the store stays unreachable until the local view runs out (a paused
+process wakes up past it, a store outage outlasts it), the lease is *lost*:
+``held`` turns False, ``ensure()`` raises :class:`LeaseLost`, and the
+``on_lost`` callbacks run once. A lost lease stays lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from celery_lease.exceptions import LeaseConfigError, LeaseLost, StoreUnavailable
+
+if TYPE_CHECKING:
+    from celery_lease.stores.base import Lease, LeaseStore
+
+__all__ = ["HeldLease", "Renewer", "default_clock_drift", "renewer"]
+
+logger = logging.getLogger(__name__)
+
+
+def default_clock_drift(ttl: float) -> float:
+    """The margin taken off the local view of a lease: 2 % of the TTL + 50 ms, at most 1 s."""
+    return min(1.0, 0.02 * ttl + 0.05)
+
+
+LostCallback = Callable[["HeldLease", str], None]
+
+
+class HeldLease:
+    """A lease this process holds: the grant's facts plus the local view.
+
+    Exposes ``key``, ``keys``, ``token``, ``owner_id``, ``expires_at`` (store
+    time, as of the last renewal), ``held``, ``ensure()``, ``renew()`` and
+    ``release()``.
+    """
+
+    def __init__(
+        self,
+        store: LeaseStore,
+        lease: Lease,
+        *,
+        renew_interval: float | None = None,
+        clock_drift: float | None = None,
+        sent_at: float | None = None,
+        on_lost: LostCallback | None = None,
+    ) -> None:
+        self.store = store
+        self.lease = lease
+        self.ttl = lease.ttl
+        self.renew_interval = renew_interval if renew_interval is not None else lease.ttl / 3
+        self.clock_drift = (
+            clock_drift if clock_drift is not None else default_clock_drift(lease.ttl)
+        )
+        if not 0 < self.renew_interval < self.ttl:
+            raise LeaseConfigError(
+                f"renew interval {self.renew_interval!r} must be > 0 and below the TTL {self.ttl}"
+            )
+        if not 0 <= self.clock_drift < self.ttl:
+            raise LeaseConfigError(f"clock drift {self.clock_drift!r} must be in [0, TTL)")
+        start = sent_at if sent_at is not None else time.monotonic()
+        self.valid_until = start + self.ttl - self.clock_drift
+        self.next_renewal = start + self.renew_interval
+        self.expires_at = lease.expires_at
+        self.lost_reason: str | None = None
+        self.released = False
+        self.detached = False
+        self.renewals = 0
+        self._lock = threading.RLock()
+        self._on_lost: list[LostCallback] = [on_lost] if on_lost else []
+
+    # -- the grant's facts ---------------------------------------------------
+
+    @property
+    def key(self) -> str:
+        return self.lease.key
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.lease.keys
+
+    @property
+    def token(self) -> int:
+        return self.lease.token
+
+    @property
+    def owner_id(self) -> str:
+        return self.lease.owner_id
+
+    # -- the local view --------------------------------------------------
+
+    @property
+    def held(self) -> bool:
+        """True while this process may act as the owner (local view, drift margin taken)."""
+        return (
+            self.lost_reason is None and not self.released and time.monotonic() < self.valid_until
+        )
+
+    @property
+    def remaining(self) -> float:
+        """Seconds left in the local view (0 once lost)."""
+        return max(0.0, self.valid_until - time.monotonic()) if self.held else 0.0
+
+    def ensure(self) -> None:
+        """Raise :class:`LeaseLost` unless the lease is still held."""
+        if self.held:
+            return
+        if self.lost_reason is None and not self.released:
+            self.mark_lost("the lease's local validity ran out before a renewal")
+        raise LeaseLost(
+            f"lease {self.key!r} (token {self.token}) is no longer held: "
+            f"{self.lost_reason or 'released'}"
+        )
+
+    def add_lost_callback(self, callback: LostCallback) -> None:
+        self._on_lost.append(callback)
+
+    def renew(self) -> bool:
+        """Renew now, synchronously. False (and the lease lost) if the store refused."""
+        if not self.held:
+            return False
+        sent = time.monotonic()
+        try:
+            expires = self.store.renew_many([self.lease])[0]
+        except StoreUnavailable:
+            self.renew_failed(sent)
+            return self.held
+        self.renewed(sent, expires)
+        return expires is not None
+
+    def renewed(self, sent: float, expires_at: float | None) -> None:
+        """Apply a renewal's answer (called by the renewer or :meth:`renew`)."""
+        with self._lock:
+            if expires_at is None:
+                self.mark_lost("renewal refused: the lease expired or another owner took it")
+                return
+            if self.lost_reason is not None:
+                return
+            self.valid_until = max(self.valid_until, sent + self.ttl - self.clock_drift)
+            self.next_renewal = sent + self.renew_interval
+            self.expires_at = expires_at
+            self.renewals += 1
+
+    def renew_failed(self, sent: float) -> None:
+        """The store could not be reached: retry soon, until the local view runs out."""
+        with self._lock:
+            if time.monotonic() >= self.valid_until:
+                self.mark_lost("the store stayed unreachable until the lease's validity ran out")
+            else:
+                self.next_renewal = sent + min(self.renew_interval / 3, 1.0)
+
+    def mark_lost(self, reason: str) -> None:
+        """Declare the lease lost (once); runs the ``on_lost`` callbacks unless detached."""
+        with self._lock:
+            if self.lost_reason is not None or self.released:
+                return
+            self.lost_reason = reason
+            logger.warning(
+                "lease lost: %s",
+                reason,
+                extra={"action": "lease_lost", "lease_key": self.key, "token": self.token},
+            )
+            renewer().discard(self)
+            if not self.detached:
+                for cb in self._on_lost:
+                    cb(self, reason)
+
+    def detach(self) -> None:
+        """Stop renewing and silence ``on_lost`` (before a commit decides the outcome).
+
+        Waits for a renewal answer being applied to this lease, so a lost-lease
+        callback can never run after the caller has moved on.
+        """
+        renewer().discard(self)
+        with self._lock:
+            self.detached = True
+
+    def release(self) -> bool:
+        """Stop renewing and release. True if it was still the owner."""
+        self.detach()
+        with self._lock:
+            if self.released:
+                return False
+            self.released = True
+        if self.lost_reason is not None:
+            return False
+        return self.store.release(self.lease)
+
+    def __repr__(self) -> str:
+        state = (
+            "held"
+            if self.held
+            else f"lost ({self.lost_reason})"
+            if self.lost_reason
+            else "released"
+        )
+        return f"<HeldLease {self.key!r} token={self.token} {state}>"
+
+
+class Renewer:
+    """The process's renewal thread."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._leases: set[HeldLease] = set()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.cycles = 0
+
+    def add(self, held: HeldLease) -> None:
+        with self._cond:
+            self._leases.add(held)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="celery-lease-renewer", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+
+    def discard(self, held: HeldLease) -> None:
+        with self._cond:
+            self._leases.discard(held)
+
+    @property
+    def leases(self) -> list[HeldLease]:
+        with self._cond:
+            return list(self._leases)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [h for h in self._leases if min(h.next_renewal, h.valid_until) <= now]
+                if not due:
+                    wake = min(
+                        (min(h.next_renewal, h.valid_until) for h in self._leases), default=None
+                    )
+                    self._cond.wait(None if wake is None else max(0.0, wake - now))
+                    continue
+            self.renew_due(due)
+
+    def renew_due(self, due: list[HeldLease]) -> None:
+        """Renew ``due`` leases, one round trip per store."""
+        self.cycles += 1
+        now = time.monotonic()
+        by_store: dict[int, list[HeldLease]] = {}
+        for h in due:
+            if now >= h.valid_until:
+                h.mark_lost("the lease's local validity ran out before a renewal (process paused?)")
+            elif h.held:
+                by_store.setdefault(id(h.store), []).append(h)
+        for group in by_store.values():
+            sent = time.monotonic()
+            try:
+                answers = group[0].store.renew_many([h.lease for h in group])
+            except StoreUnavailable as e:
+                logger.warning(
+                    "lease renewal failed, will retry: %s", e, extra={"action": "renew_retry"}
+                )
+                for h in group:
+                    h.renew_failed(sent)
+                continue
+            for h, expires in zip(group, answers):
+                h.renewed(sent, expires)
+
+
+_renewer: Renewer | None = None
+_renewer_lock = threading.Lock()
+
+
+def renewer() -> Renewer:
+    """This process's :class:`Renewer` (a new one after ``fork``)."""
+    global _renewer
+    with _renewer_lock:
+        if _renewer is None or _renewer.pid != os.getpid():
+            _renewer = Renewer()
+        return _renewer
+
+
+def _reset_after_fork() -> None:
+    global _renewer, _renewer_lock
+    _renewer = None
+    _renewer_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)

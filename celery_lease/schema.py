@@ -1,0 +1,85 @@
+"""The SQL tables: the single source for the Alembic migrations in ``migrations/``.
+
+All times are epoch seconds in *store* time (the database's clock), stored as
+double precision, so the same arithmetic works on PostgreSQL and SQLite.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Double,
+    Index,
+    Integer,
+    MetaData,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+__all__ = ["VERSION_TABLE", "fences", "leases", "metadata", "results"]
+
+#: Alembic's version table for this package, apart from the application's own.
+VERSION_TABLE = "celery_lease_alembic_version"
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+#: One row per key ever claimed. The row (and its token) survives release;
+#: the sweeper deletes long-expired rows, the fence row keeps the token.
+leases = Table(
+    "celery_lease_leases",
+    metadata,
+    Column("lease_key", Text, primary_key=True),
+    Column("owner_id", Text, nullable=True),
+    Column("fencing_token", BigInteger, nullable=False),
+    Column("ttl", Double, nullable=True),
+    Column("expires_at", Double, nullable=False),
+    Column("acquired_at", Double, nullable=True),
+    Column("renewed_at", Double, nullable=True),
+    Column("task_id", Text, nullable=True),
+    Column("task_name", Text, nullable=True),
+    Column("root_id", Text, nullable=True),
+    Column("tenant", Text, nullable=True),
+    Index(None, "expires_at"),
+)
+
+#: One row per accepted commit. ``lease_key`` + ``fencing_token`` is unique.
+results = Table(
+    "celery_lease_results",
+    metadata,
+    Column(
+        "id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    ),
+    Column("lease_key", Text, nullable=False),
+    Column("fencing_token", BigInteger, nullable=False),
+    Column("task_id", Text, nullable=True),
+    Column("task_name", Text, nullable=True),
+    Column("owner_id", Text, nullable=True),
+    Column("tenant", Text, nullable=True),
+    Column("root_id", Text, nullable=True),
+    Column("result", JSON().with_variant(JSONB(), "postgresql"), nullable=True),
+    Column("accepted_at", Double, nullable=False),
+    UniqueConstraint("lease_key", "fencing_token"),
+    Index(None, "task_id"),
+    Index(None, "accepted_at"),
+)
+
+#: The newest token seen per resource: a lease key (registered at claim) or a
+#: downstream resource guarded with :func:`celery_lease.fencing.guard`.
+#: Never lowered, never swept.
+fences = Table(
+    "celery_lease_fences",
+    metadata,
+    Column("resource", Text, primary_key=True),
+    Column("fencing_token", BigInteger, nullable=False),
+    Column("updated_at", Double, nullable=False),
+)

@@ -1,0 +1,347 @@
+"""The lease store protocol.
+
+A *lease* is time-limited ownership of one or more stable keys. Every grant
+carries a *fencing token*: an integer that, per key, only grows. The contract
+every store keeps (and that ``tests/test_store_contract.py`` proves against
+real servers):
+
+1. **Tokens only grow.** A grant's token is larger than every token issued
+   before for any of its keys, across release, expiry, sweeps and restarts of
+   a durable store. (The Redis store also survives losing its data: tokens are
+   floored by the server clock in microseconds.)
+2. **One owner at a time.** No two grants of a key are valid at the same store
+   time. Expiry is decided by the store's clock (Redis ``TIME``, the
+   database's ``clock_timestamp()``), never by a worker's.
+3. **Only the owner renews or releases.** Renewal and release check owner id
+   *and* token; a stranger, or an old owner whose lease expired and was
+   granted again, changes nothing.
+4. **All or nothing.** A claim on several keys grants all of them under one
+   token or none, without waiting while holding, so claims cannot deadlock.
+
+A failure timeline these rules exist for::
+
+    00:00  A claims payment-security-42        -> token 7, expires 00:30
+    00:25  A pauses (GC, SIGSTOP, a slow LLM call that blocks the renewer)
+    00:30  the lease expires in store time
+    00:31  B claims payment-security-42        -> token 8
+    00:40  B commits with token 8              -> accepted
+    00:45  A resumes: renew(token 7) is False; its commit with token 7 is
+           refused by the fenced result table (StaleFencingToken)
+
+Stores translate their driver's errors into :class:`StoreUnavailable`
+(transient) at this boundary; nothing above it catches driver exceptions.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+import secrets
+import socket
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from celery_lease.exceptions import LeaseConfigError, LeaseNotAcquired
+
+if TYPE_CHECKING:
+    from celery_lease.renewal import HeldLease
+
+__all__ = ["META_FIELDS", "Lease", "LeaseRecord", "LeaseStore", "new_owner_id"]
+
+#: Audit fields a claim may carry; stores keep them with the lease record.
+META_FIELDS = ("task_id", "task_name", "root_id", "tenant")
+
+
+def new_owner_id() -> str:
+    """``hostname:pid:random``: readable in logs, unguessable by anyone else."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(8)}"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One grant, as the store made it. Immutable: renewals return new facts.
+
+    ``key`` is the first key the caller named, ``keys`` all of them, sorted.
+    ``expires_at`` and ``acquired_at`` are epoch seconds in *store* time.
+    """
+
+    key: str
+    keys: tuple[str, ...]
+    owner_id: str
+    token: int
+    expires_at: float
+    acquired_at: float
+    ttl: float
+    meta: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """What a store holds for a key, for inspection, the CLI and monitoring.
+
+    ``owner_id`` is None when the key is free (released or never claimed but
+    fenced); ``live`` says whether the lease was unexpired at ``now`` (store
+    time, read in the same operation).
+    """
+
+    key: str
+    owner_id: str | None
+    token: int
+    expires_at: float
+    acquired_at: float | None
+    renewed_at: float | None
+    ttl: float | None
+    now: float
+    task_id: str | None = None
+    task_name: str | None = None
+    root_id: str | None = None
+    tenant: str | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.owner_id is not None and self.expires_at > self.now
+
+    @property
+    def remaining(self) -> float:
+        """Seconds of lease left in store time (0 when free or expired)."""
+        return max(0.0, self.expires_at - self.now) if self.owner_id else 0.0
+
+
+def normalize_keys(key: str | Sequence[str]) -> tuple[str, tuple[str, ...]]:
+    """Return ``(primary key, sorted unique keys)``; validates they are non-empty strings."""
+    keys = [key] if isinstance(key, str) else list(key)
+    if not keys:
+        raise LeaseConfigError("a claim needs at least one key")
+    for k in keys:
+        if not isinstance(k, str) or not k:
+            raise LeaseConfigError(f"lease keys must be non-empty strings, got {k!r}")
+    return keys[0], tuple(sorted(set(keys)))
+
+
+def check_ttl(ttl: float) -> float:
+    if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0:
+        raise LeaseConfigError(f"ttl must be a positive number of seconds, got {ttl!r}")
+    return float(ttl)
+
+
+def check_meta(meta: Mapping[str, str | None] | None) -> dict[str, str]:
+    if not meta:
+        return {}
+    unknown = set(meta) - set(META_FIELDS)
+    if unknown:
+        raise LeaseConfigError(f"unknown lease metadata {sorted(unknown)}; known: {META_FIELDS}")
+    return {k: str(v) for k, v in meta.items() if v is not None}
+
+
+class LeaseStore(ABC):
+    """A place where leases live. Pick one with :meth:`from_url`.
+
+    Subclasses implement the ``do_*`` methods; the public methods here validate
+    arguments first, so every store rejects bad input the same way.
+    """
+
+    #: URL schemes this store serves (also registered in the entry-point group).
+    schemes: ClassVar[tuple[str, ...]] = ()
+    #: Entry-point group third-party stores register under.
+    ENTRY_POINT_GROUP: ClassVar[str] = "celery_lease.stores"
+
+    url: str
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> LeaseStore:
+        """The store for ``url``, chosen by scheme.
+
+        ``redis://``, ``rediss://``, ``unix://`` -> Redis; ``postgresql+psycopg://``
+        and ``sqlite:///`` -> SQL. Other schemes are looked up in the
+        ``celery_lease.stores`` entry-point group.
+        """
+        if not isinstance(url, str) or "://" not in url:
+            raise LeaseConfigError(f"a lease store URL looks like scheme://..., got {url!r}")
+        scheme = url.split("://", 1)[0].lower()
+        store_cls = _builtin_store(scheme)
+        if store_cls is None:
+            for ep in entry_points(group=cls.ENTRY_POINT_GROUP):
+                if ep.name == scheme:
+                    store_cls = ep.load()
+                    break
+        if store_cls is None:
+            raise LeaseConfigError(
+                f"no lease store for URL scheme {scheme!r} (known: redis, rediss, unix, "
+                "postgresql+psycopg, sqlite; others through the 'celery_lease.stores' "
+                "entry-point group)"
+            )
+        store: LeaseStore = store_cls(url, **options)  # type: ignore[call-arg]
+        return store
+
+    # -- public API -------------------------------------------------------
+
+    def claim(
+        self,
+        key: str | Sequence[str],
+        *,
+        ttl: float,
+        owner_id: str | None = None,
+        meta: Mapping[str, str | None] | None = None,
+    ) -> Lease | None:
+        """Grant ``key`` (or every key of a list, all or none) to ``owner_id``.
+
+        Returns the :class:`Lease`, or None while another live owner holds a key.
+        """
+        primary, keys = normalize_keys(key)
+        return self.do_claim(
+            primary, keys, owner_id or new_owner_id(), check_ttl(ttl), check_meta(meta)
+        )
+
+    def renew(self, lease: Lease, ttl: float | None = None) -> bool:
+        """Extend ``lease`` to ``ttl`` (default: its own) from now in store time.
+
+        True while still the owner; False once lost. Never extends someone else's lease.
+        """
+        return self.renew_many([lease], ttl=ttl)[0] is not None
+
+    def renew_many(self, leases: Sequence[Lease], ttl: float | None = None) -> list[float | None]:
+        """Renew several leases in as few round trips as the store allows.
+
+        Returns, per lease, its new ``expires_at`` (store time) or None if it was lost.
+        """
+        if not leases:
+            return []
+        ttls = [check_ttl(ttl) if ttl is not None else lease.ttl for lease in leases]
+        return self.do_renew_many(list(leases), ttls)
+
+    def release(self, lease: Lease) -> bool:
+        """Give ``lease`` up. True if it was still the owner; a stranger's release is a no-op."""
+        return self.do_release(lease)
+
+    def inspect(self, key: str) -> LeaseRecord | None:
+        """The record for ``key`` (live, expired-but-kept, or fenced-but-free), or None."""
+        normalize_keys(key)
+        return self.do_inspect(key)
+
+    def list(self, prefix: str = "", *, expired: bool = False) -> list[LeaseRecord]:
+        """Live leases whose key starts with ``prefix`` (also expired ones if ``expired``)."""
+        return self.do_list(prefix, expired)
+
+    def evict(self, key: str) -> LeaseRecord | None:
+        """Force-release ``key`` whoever holds it and advance its fence.
+
+        The evicted owner's renewals, releases and commits fail from then on;
+        the next claim gets a larger token. Returns the evicted record, if any.
+        """
+        normalize_keys(key)
+        return self.do_evict(key)
+
+    def fence_token(self, key: str) -> int:
+        """The newest token ever issued for ``key`` (0 if none)."""
+        return self.do_fence_token(key)
+
+    @contextmanager
+    def hold(
+        self,
+        key: str | Sequence[str],
+        *,
+        ttl: float,
+        owner_id: str | None = None,
+        renew_interval: float | None = None,
+        clock_drift: float | None = None,
+        meta: Mapping[str, str | None] | None = None,
+    ) -> Iterator[HeldLease]:
+        """Claim, renew from a timer thread, release on exit.
+
+        Raises :class:`LeaseNotAcquired` if another live owner holds the key.
+        Inside the block, ``lease.held`` turns False and ``lease.ensure()``
+        raises :class:`LeaseLost` once ownership is gone.
+        """
+        from celery_lease.renewal import HeldLease, renewer
+
+        sent = time.monotonic()
+        lease = self.claim(key, ttl=ttl, owner_id=owner_id, meta=meta)
+        if lease is None:
+            primary = key if isinstance(key, str) else next(iter(key))
+            record = self.inspect(primary)
+            raise LeaseNotAcquired(
+                primary,
+                record.owner_id if record else None,
+                record.remaining if record else None,
+            )
+        held = HeldLease(
+            self, lease, renew_interval=renew_interval, clock_drift=clock_drift, sent_at=sent
+        )
+        renewer().add(held)
+        try:
+            yield held
+        finally:
+            held.release()
+
+    def time(self) -> float:
+        """The store's clock, epoch seconds."""
+        return self.do_time()
+
+    def close(self) -> None:  # noqa: B027 - optional for stores without connections
+        """Drop connections. The store can be used again afterwards."""
+
+    # -- what a store implements ----------------------------------------
+
+    @abstractmethod
+    def do_claim(
+        self,
+        primary: str,
+        keys: tuple[str, ...],
+        owner_id: str,
+        ttl: float,
+        meta: dict[str, str],
+    ) -> Lease | None: ...
+
+    @abstractmethod
+    def do_renew_many(
+        self, leases: builtins.list[Lease], ttls: builtins.list[float]
+    ) -> builtins.list[float | None]: ...
+
+    @abstractmethod
+    def do_release(self, lease: Lease) -> bool: ...
+
+    @abstractmethod
+    def do_inspect(self, key: str) -> LeaseRecord | None: ...
+
+    @abstractmethod
+    def do_list(self, prefix: str, expired: bool) -> builtins.list[LeaseRecord]: ...
+
+    @abstractmethod
+    def do_evict(self, key: str) -> LeaseRecord | None: ...
+
+    @abstractmethod
+    def do_fence_token(self, key: str) -> int: ...
+
+    @abstractmethod
+    def do_time(self) -> float: ...
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {redact_url(self.url)}>"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced, for logs and errors."""
+    if "@" not in url or "://" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, host = rest.rsplit("@", 1)
+    if ":" in creds:
+        creds = creds.split(":", 1)[0] + ":***"
+    return f"{scheme}://{creds}@{host}"
+
+
+def _builtin_store(scheme: str) -> type[LeaseStore] | None:
+    if scheme in ("redis", "rediss", "unix"):
+        from celery_lease.stores.redis import RedisLeaseStore
+
+        return RedisLeaseStore
+    if scheme.startswith("postgresql") or scheme.startswith("sqlite"):
+        from celery_lease.stores.sql import SQLLeaseStore
+
+        return SQLLeaseStore
+    return None

@@ -1,0 +1,241 @@
+"""The SQL lease store: PostgreSQL (psycopg 3) and SQLite, one code path.
+
+Every operation is one short transaction with the database's clock as the
+store time; nothing holds a transaction open while a task body runs.
+
+- PostgreSQL: a single-key claim is one statement (``INSERT ... ON CONFLICT
+  ... DO UPDATE ... WHERE <free or expired> RETURNING``) that also registers
+  the new token in the key's fence row; renewals of any number of leases are
+  one ``UPDATE ... FROM unnest(...)``.
+- SQLite: ``BEGIN IMMEDIATE`` makes each operation the only writer, so a
+  claim reads, decides and writes without row locks.
+
+Tokens: a grant's token is one more than the largest of the key's lease row
+and fence row. Release keeps the row (and its token); the sweeper deletes
+long-expired rows, and the fence row, which is never lowered or swept, keeps
+the token. So tokens only grow, across release, expiry, sweeps and restarts.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any
+
+from sqlalchemy import Connection, Row, text
+
+from celery_lease import db as q
+from celery_lease.exceptions import StoreUnavailable
+from celery_lease.stores.base import META_FIELDS, Lease, LeaseRecord, LeaseStore
+
+__all__ = ["SQLLeaseStore"]
+
+_RETRIES = 3  # for deadlocks between multi-key claimers and single-key claimers
+
+
+class SQLLeaseStore(LeaseStore):
+    schemes = ("postgresql", "postgresql+psycopg", "sqlite")
+
+    def __init__(self, url: str, **options: Any) -> None:
+        self.db = q.database(url)
+        self.url = self.db.url
+        self.db.ensure_schema()
+
+    # -- claim -----------------------------------------------------------
+
+    def do_claim(
+        self,
+        primary: str,
+        keys: tuple[str, ...],
+        owner_id: str,
+        ttl: float,
+        meta: dict[str, str],
+    ) -> Lease | None:
+        params: dict[str, Any] = {f: meta.get(f) for f in META_FIELDS}
+        params.update(owner_id=owner_id, ttl=ttl)
+        if not self.db.is_sqlite and len(keys) == 1:
+            with self.db.single() as conn:
+                row = conn.execute(text(q.PG_CLAIM_ONE), {**params, "key": keys[0]}).first()
+            if row is None:
+                return None
+            return Lease(
+                primary,
+                keys,
+                owner_id,
+                int(row.fencing_token),
+                float(row.expires_at),
+                float(row.acquired_at),
+                ttl,
+                meta,
+            )
+        for attempt in range(_RETRIES):
+            try:
+                with self.db.transaction() as conn:
+                    return self._claim_txn(conn, primary, keys, params, meta)
+            except StoreUnavailable:
+                if attempt == _RETRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _claim_txn(
+        self,
+        conn: Connection,
+        primary: str,
+        keys: tuple[str, ...],
+        params: dict[str, Any],
+        meta: dict[str, str],
+    ) -> Lease | None:
+        if self.db.is_sqlite:
+            placeholders, names = q.in_list("k", len(keys))
+            binds = dict(zip(names, keys))
+            fences = conn.execute(text(q.SELECT_FENCES_IN.format(keys=placeholders)), binds).all()
+        else:
+            conn.execute(text(q.PG_ENSURE_FENCES), {"keys": list(keys)})
+            fences = conn.execute(text(q.PG_LOCK_FENCES), {"keys": list(keys)}).all()
+            placeholders, names = q.in_list("k", len(keys))
+            binds = dict(zip(names, keys))
+        now = float(conn.exec_driver_sql(q.SELECT_NOW.format(now=self.db.now_sql)).scalar_one())
+        rows = conn.execute(text(q.SELECT_LEASES_IN.format(keys=placeholders)), binds).all()
+        owner_id = params["owner_id"]
+        for row in rows:
+            if row.owner_id is not None and row.expires_at > now and row.owner_id != owner_id:
+                conn.rollback()
+                return None
+        token = 1 + max([0] + [int(r.fencing_token) for r in rows] + [int(f[1]) for f in fences])
+        granted = 0
+        for key in keys:
+            granted += len(
+                conn.execute(
+                    text(q.UPSERT_LEASE), {**params, "key": key, "token": token, "now": now}
+                ).all()
+            )
+        if granted != len(keys):
+            conn.rollback()
+            return None
+        for key in keys:
+            conn.execute(text(q.RAISE_FENCE), {"key": key, "token": token, "now": now})
+        ttl = float(params["ttl"])
+        return Lease(primary, keys, owner_id, token, now + ttl, now, ttl, meta)
+
+    # -- renew / release ---------------------------------------------------
+
+    def do_renew_many(
+        self, leases: builtins.list[Lease], ttls: builtins.list[float]
+    ) -> builtins.list[float | None]:
+        renewed: dict[tuple[str, str, int], float] = {}
+        if self.db.is_sqlite:
+            with self.db.transaction() as conn:
+                now = self._now(conn)
+                for lease, ttl in zip(leases, ttls):
+                    for key in lease.keys:
+                        row = conn.execute(
+                            text(q.RENEW_ONE),
+                            {
+                                "key": key,
+                                "owner_id": lease.owner_id,
+                                "token": lease.token,
+                                "ttl": ttl,
+                                "now": now,
+                            },
+                        ).first()
+                        if row is not None:
+                            renewed[(key, lease.owner_id, lease.token)] = float(row.expires_at)
+        else:
+            cols: dict[str, builtins.list[Any]] = {
+                "keys": [],
+                "owners": [],
+                "tokens": [],
+                "ttls": [],
+            }
+            for lease, ttl in zip(leases, ttls):
+                for key in lease.keys:
+                    cols["keys"].append(key)
+                    cols["owners"].append(lease.owner_id)
+                    cols["tokens"].append(lease.token)
+                    cols["ttls"].append(ttl)
+            with self.db.single() as conn:
+                for row in conn.execute(text(q.PG_RENEW_MANY), cols):
+                    renewed[(row.lease_key, row.owner_id, int(row.fencing_token))] = float(
+                        row.expires_at
+                    )
+        out: builtins.list[float | None] = []
+        for lease in leases:
+            expiries = [renewed.get((k, lease.owner_id, lease.token)) for k in lease.keys]
+            out.append(None if any(e is None for e in expiries) else min(expiries))  # type: ignore[type-var]
+        return out
+
+    def do_release(self, lease: Lease) -> bool:
+        placeholders, names = q.in_list("k", len(lease.keys))
+        params: dict[str, Any] = dict(zip(names, lease.keys))
+        params.update(owner_id=lease.owner_id, token=lease.token)
+        stmt = text(q.RELEASE_IN.format(now=self.db.now_sql, keys=placeholders))
+        with self.db.single() as conn:
+            released = len(conn.execute(stmt, params).all())
+        return released == len(lease.keys)
+
+    # -- reading -----------------------------------------------------------
+
+    def do_inspect(self, key: str) -> LeaseRecord | None:
+        with self.db.single() as conn:
+            row = conn.execute(text(q.INSPECT.format(now=self.db.now_sql)), {"key": key}).one()
+        if row.lease_key is None:
+            if row.fence is None:
+                return None
+            return LeaseRecord(key, None, int(row.fence), 0.0, None, None, None, float(row.now))
+        return _record(row, fence=row.fence)
+
+    def do_list(self, prefix: str, expired: bool) -> builtins.list[LeaseRecord]:
+        pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+        with self.db.single() as conn:
+            rows = conn.execute(
+                text(q.LIST.format(now=self.db.now_sql)), {"pattern": pattern, "expired": expired}
+            ).all()
+        return [_record(r) for r in rows]
+
+    def do_evict(self, key: str) -> LeaseRecord | None:
+        before = self.do_inspect(key)
+        with self.db.transaction() as conn:
+            if not self.db.is_sqlite:
+                conn.execute(text(q.PG_ENSURE_FENCES), {"keys": [key]})
+                conn.execute(text(q.PG_LOCK_FENCES), {"keys": [key]})
+            now = self._now(conn)
+            token = int(conn.execute(text(q.FENCE_TOKEN), {"key": key}).scalar_one())
+            conn.execute(text(q.EVICT), {"key": key, "now": now})
+            conn.execute(text(q.RAISE_FENCE), {"key": key, "token": token + 1, "now": now})
+        return before if before is not None and before.live else None
+
+    def do_fence_token(self, key: str) -> int:
+        with self.db.single() as conn:
+            return int(conn.execute(text(q.FENCE_TOKEN), {"key": key}).scalar_one())
+
+    def do_time(self) -> float:
+        return self.db.now()
+
+    def _now(self, conn: Connection) -> float:
+        return float(conn.exec_driver_sql(q.SELECT_NOW.format(now=self.db.now_sql)).scalar_one())
+
+    def close(self) -> None:
+        self.db.dispose()
+
+
+def _record(row: Row[Any], fence: Any = None) -> LeaseRecord:
+    token = int(row.fencing_token)
+    if fence is not None:
+        token = max(token, int(fence))
+    return LeaseRecord(
+        key=row.lease_key,
+        owner_id=row.owner_id,
+        token=token,
+        expires_at=float(row.expires_at),
+        acquired_at=_f(row.acquired_at),
+        renewed_at=_f(row.renewed_at),
+        ttl=_f(row.ttl),
+        now=float(row.now),
+        task_id=row.task_id,
+        task_name=row.task_name,
+        root_id=row.root_id,
+        tenant=row.tenant,
+    )
+
+
+def _f(v: Any) -> float | None:
+    return None if v is None else float(v)
