@@ -164,12 +164,15 @@ WHERE lease_key = :key AND owner_id = :owner_id AND fencing_token = :token
     AND expires_at > :now
 RETURNING lease_key, expires_at
 """
-#: Release keeps the row (and its token); only a live lease of this owner and
-#: token is released, so the row count says whether it was still the owner.
+#: Release keeps the row (and its token) and marks it released: expires_at =
+#: renewed_at = now (a grant or renewal always leaves expires_at > renewed_at).
+#: Only this owner and token release; releasing again answers yes (idempotent,
+#: so a retry after a lost reply is not mistaken for a lost lease).
 RELEASE_IN = """
-UPDATE celery_lease_leases SET owner_id = NULL, expires_at = {now}, renewed_at = {now}
+UPDATE celery_lease_leases SET expires_at = t.now, renewed_at = t.now
+FROM (SELECT {now} AS now) AS t
 WHERE lease_key IN ({keys}) AND owner_id = :owner_id AND fencing_token = :token
-    AND expires_at > {now}
+    AND (expires_at > t.now OR renewed_at = expires_at)
 RETURNING lease_key
 """
 INSPECT = """
@@ -194,7 +197,6 @@ ORDER BY lease_key
 EVICT = """
 UPDATE celery_lease_leases SET owner_id = NULL, expires_at = :now, renewed_at = :now
 WHERE lease_key = :key
-RETURNING owner_id
 """
 FENCE_TOKEN = """
 SELECT COALESCE(MAX(t), 0) FROM (
@@ -420,3 +422,86 @@ def check(url: str) -> None:
     with db.errors(), db.engine.connect() as conn:
         cfg.attributes["connection"] = conn
         command.check(cfg)
+
+
+# ---------------------------------------------------------------------------
+# Fenced results. See celery_lease/results.py for the reasoning.
+
+#: Same database as the leases: check ownership on the lease row (locking
+#: it) and release it, in the same transaction as the result insert.
+#: ``{set}`` releases (owner NULL, expired now) or only touches the row.
+RESULT_OWN_LEASE = """
+UPDATE celery_lease_leases SET {set}
+WHERE lease_key IN ({keys}) AND owner_id = :owner_id AND fencing_token = :token
+    AND expires_at > :now
+RETURNING lease_key
+"""
+RESULT_RELEASE_SET = "expires_at = :now, renewed_at = :now"
+RESULT_KEEP_SET = "renewed_at = renewed_at"
+#: Leases elsewhere (Redis, another database): the key's fence row here is the
+#: lock every commit of the key takes, and holds the newest registered token.
+RESULT_REGISTER = """
+INSERT INTO celery_lease_fences AS fe (resource, fencing_token, updated_at)
+VALUES (:key, :token, {now})
+ON CONFLICT (resource) DO UPDATE SET
+    fencing_token = excluded.fencing_token, updated_at = excluded.updated_at
+WHERE fe.fencing_token <= excluded.fencing_token
+RETURNING fencing_token
+"""
+RESULT_LOCK_FENCE = """
+SELECT fencing_token FROM celery_lease_fences WHERE resource = :key {for_update}
+"""
+RESULT_DUPLICATE = """
+SELECT fencing_token FROM celery_lease_results WHERE lease_key = :key
+ORDER BY fencing_token LIMIT 1
+"""
+RESULT_INSERT = """
+INSERT INTO celery_lease_results
+    (lease_key, fencing_token, task_id, task_name, owner_id, tenant, root_id, result, accepted_at)
+VALUES (:key, :token, :task_id, :task_name, :owner_id, :tenant, :root_id, {result}, :now)
+RETURNING id
+"""
+RESULT_COLUMNS = """
+lease_key, fencing_token, task_id, task_name, owner_id, tenant, root_id, result, accepted_at
+"""
+RESULT_BY_KEY_TOKEN = f"""
+SELECT {RESULT_COLUMNS} FROM celery_lease_results WHERE lease_key = :key AND fencing_token = :token
+"""
+RESULT_ACCEPTED = f"""
+SELECT {RESULT_COLUMNS} FROM celery_lease_results
+WHERE lease_key = :key
+    AND ((CAST(:tenant AS TEXT) IS NULL AND tenant IS NULL) OR tenant = CAST(:tenant AS TEXT))
+ORDER BY fencing_token DESC LIMIT 1
+"""
+RESULT_FOR_TASK = f"""
+SELECT {RESULT_COLUMNS} FROM celery_lease_results WHERE task_id = :task_id
+ORDER BY fencing_token DESC LIMIT 1
+"""
+RESULT_HISTORY = f"""
+SELECT {RESULT_COLUMNS} FROM celery_lease_results
+WHERE lease_key = :key
+    AND ((CAST(:tenant AS TEXT) IS NULL AND tenant IS NULL) OR tenant = CAST(:tenant AS TEXT))
+ORDER BY fencing_token DESC LIMIT :limit
+"""
+#: Sweeper: results past retention; lease rows long expired, after copying
+#: their tokens into the fence rows, so a later claim still gets a larger one.
+SWEEP_RESULTS = "DELETE FROM celery_lease_results WHERE accepted_at < :cutoff"
+SWEEP_KEEP_FENCES = """
+INSERT INTO celery_lease_fences AS fe (resource, fencing_token, updated_at)
+SELECT lease_key, fencing_token, :now FROM celery_lease_leases
+WHERE expires_at < :cutoff
+ON CONFLICT (resource) DO UPDATE SET
+    fencing_token = CASE WHEN fe.fencing_token > excluded.fencing_token
+                         THEN fe.fencing_token ELSE excluded.fencing_token END
+"""
+SWEEP_LEASES = "DELETE FROM celery_lease_leases WHERE expires_at < :cutoff"
+#: fencing.guard(): accept ``token`` for ``resource`` unless a newer one was seen.
+GUARD = """
+INSERT INTO celery_lease_fences AS fe (resource, fencing_token, updated_at)
+VALUES (:resource, :token, {now})
+ON CONFLICT (resource) DO UPDATE SET
+    fencing_token = excluded.fencing_token, updated_at = excluded.updated_at
+WHERE fe.fencing_token <= excluded.fencing_token
+RETURNING fencing_token
+"""
+GUARD_CURRENT = "SELECT fencing_token FROM celery_lease_fences WHERE resource = :resource"

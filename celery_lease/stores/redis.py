@@ -40,6 +40,7 @@ __all__ = ["RedisLeaseStore"]
 # CLAIM: grant every key or none, with one token.
 # KEYS: n lease hashes, then the n fence counters of the same keys (same order)
 # ARGV: owner_id, ttl_ms, task_id, task_name, root_id, tenant
+# A released hash (tombstone) counts as free; the owner claiming again is re-granted.
 # Returns {1, token, expires_us, now_us}            granted
 #         {0, holder_owner, holder_expires_us, now_us}  a live lease of another owner
 CLAIM = """
@@ -47,8 +48,8 @@ local n = #KEYS / 2
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 for i = 1, n do
-  local h = redis.call('HMGET', KEYS[i], 'owner', 'expires')
-  if h[1] and h[1] ~= ARGV[1] then
+  local h = redis.call('HMGET', KEYS[i], 'owner', 'expires', 'released')
+  if h[1] and h[1] ~= ARGV[1] and not h[3] then
     return {0, h[1], h[2] or '0', string.format('%.0f', now)}
   end
 end
@@ -89,8 +90,8 @@ for l = 1, tonumber(ARGV[1]) do
   a = a + 4
   local ok = true
   for i = k, k + nkeys - 1 do
-    local h = redis.call('HMGET', KEYS[i], 'owner', 'token')
-    if h[1] ~= owner or h[2] ~= token then ok = false end
+    local h = redis.call('HMGET', KEYS[i], 'owner', 'token', 'released')
+    if h[1] ~= owner or h[2] ~= token or h[3] then ok = false end
   end
   if ok then
     local sexp = string.format('%.0f', now + ttl * 1000)
@@ -108,16 +109,19 @@ end
 return out
 """
 
-# RELEASE: delete the keys that still name this owner and token.
+# RELEASE: mark released the keys that still name this owner and token. The
+# hash stays (until its own expiry) as a tombstone, so releasing again answers
+# yes: a retry after a lost reply is not mistaken for a lost lease.
 # KEYS: lease hashes
 # ARGV: owner_id, token
-# Returns the number of keys released (== #KEYS when it was still the owner).
+# Returns the number of keys this owner holds or had released (== #KEYS when
+# it was still the owner).
 RELEASE = """
 local n = 0
 for i = 1, #KEYS do
-  local h = redis.call('HMGET', KEYS[i], 'owner', 'token')
+  local h = redis.call('HMGET', KEYS[i], 'owner', 'token', 'released')
   if h[1] == ARGV[1] and h[2] == ARGV[2] then
-    redis.call('DEL', KEYS[i])
+    if not h[3] then redis.call('HSET', KEYS[i], 'released', '1') end
     n = n + 1
   end
 end
@@ -232,7 +236,7 @@ class RedisLeaseStore(LeaseStore):
             return LeaseRecord(key, None, fence, 0.0, None, None, None, now)
         return LeaseRecord(
             key=key,
-            owner_id=fields.get("owner") or None,
+            owner_id=None if fields.get("released") else fields.get("owner") or None,
             token=max(int(fields["token"]), fence or 0),
             expires_at=_s(fields["expires"]),
             acquired_at=_s(fields["acquired"]),

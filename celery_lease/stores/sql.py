@@ -221,9 +221,10 @@ def _record(row: Row[Any], fence: Any = None) -> LeaseRecord:
     token = int(row.fencing_token)
     if fence is not None:
         token = max(token, int(fence))
+    released = row.renewed_at is not None and row.renewed_at == row.expires_at
     return LeaseRecord(
         key=row.lease_key,
-        owner_id=row.owner_id,
+        owner_id=None if released else row.owner_id,
         token=token,
         expires_at=float(row.expires_at),
         acquired_at=_f(row.acquired_at),

@@ -1,0 +1,421 @@
+"""The fenced result table: the accepted record of each key's work.
+
+A commit is accepted only if, atomically with the write, its token is the
+newest ever issued for the key **and** its lease is still held in store time.
+Comparing with the highest *committed* token is not enough: an old owner
+that resumes while the new owner is still working would be accepted.
+
+Two ways to make that atomic, chosen by where the leases live:
+
+**Leases in the same SQL database** (``lease_store_url == lease_result_url``):
+one transaction updates the lease row ``WHERE owner AND token AND unexpired``
+(locking it, and releasing it when asked) and inserts the result only if that
+update matched. A claim by a new owner needs the same row, so it waits for
+the commit or sees it.
+
+**Leases elsewhere** (Redis, or another database): the key's row in this
+database's ``celery_lease_fences`` is the lock and the register::
+
+    A: claim in Redis (token 7) -> register: fence row := 7 (before the body)
+    A: ... works ... pauses past its TTL
+    B: claim in Redis (token 8) -> register: fence row := 8
+    A: commit: lock fence row, sees 8 != 7 -> StaleFencingToken
+    B: commit: lock fence row (8 == 8), Redis release/renew says still owner,
+       insert, commit -> accepted
+
+    If A's commit holds the fence row when B registers, B's registration
+    waits for A's commit, so B's body starts only after A's commit is final.
+
+The commit locks the fence row, requires the registered token to be its
+own, then asks the lease store, *while holding the lock*, whether it still
+owns the lease (releasing it in the same round trip), then inserts. The
+window that remains: the store's yes is a fact at that instant; if the lease
+runs out between that answer and the database commit (milliseconds), a new
+owner can claim in the store, but cannot register (the fence row is locked)
+and so cannot start its body until this commit is decided. No two bodies'
+*commits* can be accepted out of order, and a stale token is never accepted.
+
+Modes: ``exclusive`` keeps one row per accepted run; ``once`` makes the key a
+unit of work: at most one accepted row per key, every later commit raises
+:class:`DuplicateResult` (a stale token is reported first, as
+:class:`StaleFencingToken`).
+
+Results are JSON only (no pickle anywhere) and size-limited; a value that
+cannot be stored fails before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import Connection, Row, text
+
+from celery_lease import db as q
+from celery_lease.exceptions import (
+    DuplicateResult,
+    LeaseConfigError,
+    ResultNotSerializable,
+    ResultTooLarge,
+    StaleFencingToken,
+    StoreUnavailable,
+)
+from celery_lease.stores.base import Lease, LeaseStore
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "MODES",
+    "AcceptedResult",
+    "ResultTable",
+    "accepted",
+    "encode_result",
+    "for_task",
+]
+
+logger = logging.getLogger(__name__)
+
+MODES = ("exclusive", "once")
+DEFAULT_MAX_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class AcceptedResult:
+    """One accepted commit. ``accepted_at`` is epoch seconds in the database's clock."""
+
+    key: str
+    token: int
+    task_id: str | None
+    owner_id: str | None
+    value: Any
+    accepted_at: float
+    task_name: str | None = None
+    tenant: str | None = None
+    root_id: str | None = None
+
+    @property
+    def accepted_datetime(self) -> datetime:
+        return datetime.fromtimestamp(self.accepted_at, tz=timezone.utc)
+
+
+def encode_result(value: Any, *, task_name: str | None = None, max_bytes: int | None = None) -> str:
+    """``value`` as compact JSON, or a clear error naming the task and the type."""
+    who = f"task {task_name!r}" if task_name else "the commit"
+    try:
+        encoded = json.dumps(value, allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+    except TypeError as e:
+        raise ResultNotSerializable(
+            f"{who} returned a value that cannot be stored as JSON ({e}); results are JSON "
+            "only: return dicts, lists, strings, numbers, booleans or None"
+        ) from e
+    except ValueError as e:
+        raise ResultNotSerializable(
+            f"{who} returned a value that cannot be stored as JSON ({e})"
+        ) from e
+    limit = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+    size = len(encoded.encode())
+    if limit and size > limit:
+        raise ResultTooLarge(
+            f"{who} returned {size} bytes of JSON, over lease_result_max_bytes={limit}; "
+            "store large artifacts elsewhere and return a reference"
+        )
+    return encoded
+
+
+class ResultTable:
+    """The fenced result table in one SQL database.
+
+    ``store`` is the lease store whose leases are committed here; when it is
+    an SQL store on the same database, commits use the one-transaction path.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        store: LeaseStore | None = None,
+        *,
+        max_bytes: int | None = None,
+    ) -> None:
+        self.db = q.database(url)
+        self.db.ensure_schema()
+        self.url = self.db.url
+        self.store = store
+        self.max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
+        from celery_lease.stores.sql import SQLLeaseStore
+
+        self.colocated = isinstance(store, SQLLeaseStore) and store.db is self.db
+
+    # -- before the body ---------------------------------------------------
+
+    @property
+    def needs_registration(self) -> bool:
+        """True when leases live elsewhere: call :meth:`register` right after each claim."""
+        return not self.colocated
+
+    def register(self, lease: Lease) -> None:
+        """Record ``lease.token`` as the key's newest token, before the body runs.
+
+        Raises :class:`StaleFencingToken` if a newer token is registered already
+        (another owner claimed after this one).
+        """
+        if self.colocated:
+            return
+        stmt = text(q.RESULT_REGISTER.format(now=self.db.now_sql))
+        with self.db.single() as conn:
+            row = conn.execute(stmt, {"key": lease.key, "token": lease.token}).first()
+        if row is None:
+            raise StaleFencingToken(
+                lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
+            )
+
+    # -- the commit --------------------------------------------------------
+
+    def commit(
+        self,
+        lease: Lease,
+        value: Any,
+        *,
+        mode: str = "exclusive",
+        release: bool = True,
+        task_id: str | None = None,
+        task_name: str | None = None,
+        tenant: str | None = None,
+        root_id: str | None = None,
+        encoded: str | None = None,
+    ) -> AcceptedResult:
+        """Accept ``value`` for ``lease`` if its token is still the newest and held.
+
+        Releases the lease in the same step when ``release`` (the default).
+        Raises :class:`StaleFencingToken` (nothing written) or, in ``once``
+        mode, :class:`DuplicateResult`; encoding errors are raised before
+        anything is written. Idempotent: retrying a commit whose outcome was
+        lost with the connection returns the row it wrote.
+        """
+        if mode not in MODES:
+            raise LeaseConfigError(f"lease_mode must be one of {MODES}, got {mode!r}")
+        if encoded is None:
+            encoded = encode_result(value, task_name=task_name, max_bytes=self.max_bytes)
+        tenant = tenant if tenant is not None else lease.meta.get("tenant")
+        row: dict[str, Any] = {
+            "key": lease.key,
+            "token": lease.token,
+            "task_id": task_id if task_id is not None else lease.meta.get("task_id"),
+            "task_name": task_name if task_name is not None else lease.meta.get("task_name"),
+            "owner_id": lease.owner_id,
+            "tenant": tenant,
+            "root_id": root_id if root_id is not None else lease.meta.get("root_id"),
+            "result": encoded,
+        }
+        try:
+            if self.colocated:
+                accepted_at = self._commit_colocated(lease, row, mode, release)
+            else:
+                accepted_at = self._commit_remote(lease, row, mode, release)
+        except StaleFencingToken:
+            existing = self.get(lease.key, lease.token)
+            if existing is not None and existing.owner_id == lease.owner_id:
+                return existing  # an earlier attempt of this very commit was accepted
+            raise
+        logger.info(
+            "result accepted",
+            extra={"action": "commit", "lease_key": lease.key, "token": lease.token},
+        )
+        return AcceptedResult(
+            lease.key,
+            lease.token,
+            row["task_id"],
+            lease.owner_id,
+            json.loads(encoded),
+            accepted_at,
+            row["task_name"],
+            tenant,
+            row["root_id"],
+        )
+
+    def _insert(self, conn: Connection, row: dict[str, Any], now: float) -> None:
+        cast = "CAST(:result AS jsonb)" if not self.db.is_sqlite else ":result"
+        conn.execute(text(q.RESULT_INSERT.format(result=cast)), {**row, "now": now})
+
+    def _now(self, conn: Connection) -> float:
+        return float(conn.exec_driver_sql(q.SELECT_NOW.format(now=self.db.now_sql)).scalar_one())
+
+    def _commit_colocated(
+        self, lease: Lease, row: dict[str, Any], mode: str, release: bool
+    ) -> float:
+        placeholders, names = q.in_list("k", len(lease.keys))
+        own = text(
+            q.RESULT_OWN_LEASE.format(
+                set=q.RESULT_RELEASE_SET if release else q.RESULT_KEEP_SET, keys=placeholders
+            )
+        )
+        params: dict[str, Any] = dict(zip(names, lease.keys))
+        params.update(owner_id=lease.owner_id, token=lease.token)
+        duplicate: int | None = None
+        with self.db.transaction() as conn:
+            now = self._now(conn)
+            owned = len(conn.execute(own, {**params, "now": now}).all())
+            if owned != len(lease.keys):
+                conn.rollback()
+                raise StaleFencingToken(
+                    lease.key,
+                    lease.token,
+                    self._current_token(lease.key),
+                    "the lease is no longer held by this owner",
+                )
+            if mode == "once":
+                duplicate = conn.execute(text(q.RESULT_DUPLICATE), {"key": lease.key}).scalar()
+            if duplicate is None:
+                self._insert(conn, row, now)
+        if duplicate is not None:
+            raise DuplicateResult(lease.key, int(duplicate))
+        return now
+
+    def _commit_remote(self, lease: Lease, row: dict[str, Any], mode: str, release: bool) -> float:
+        if self.store is None:
+            raise LeaseConfigError("a ResultTable needs the lease store to commit leases from it")
+        for_update = "" if self.db.is_sqlite else "FOR UPDATE"
+        lock = text(q.RESULT_LOCK_FENCE.format(for_update=for_update))
+        duplicate: int | None = None
+        released = False
+        try:
+            with self.db.transaction() as conn:
+                fence = conn.execute(lock, {"key": lease.key}).scalar()
+                if fence is None or int(fence) < lease.token:
+                    # Never registered (or registration lost): register now, under the lock.
+                    conn.execute(
+                        text(q.RAISE_FENCE),
+                        {"key": lease.key, "token": lease.token, "now": self._now(conn)},
+                    )
+                    conn.execute(lock, {"key": lease.key}).scalar()
+                elif int(fence) > lease.token:
+                    conn.rollback()
+                    raise StaleFencingToken(
+                        lease.key, lease.token, int(fence), "a newer owner claimed the key"
+                    )
+                if mode == "once":
+                    duplicate = conn.execute(text(q.RESULT_DUPLICATE), {"key": lease.key}).scalar()
+                    if duplicate is not None:
+                        conn.rollback()
+                        raise DuplicateResult(lease.key, int(duplicate))
+                # The lease store's answer, while this transaction holds the fence row.
+                still_owner = self.store.release(lease) if release else self.store.renew(lease)
+                released = release and still_owner
+                if not still_owner:
+                    conn.rollback()
+                    raise StaleFencingToken(
+                        lease.key,
+                        lease.token,
+                        self.store.fence_token(lease.key),
+                        "the lease expired or was taken over before the commit",
+                    )
+                now = self._now(conn)
+                self._insert(conn, row, now)
+        except DuplicateResult:
+            if release and not released:
+                self._release_quietly(lease)
+            raise
+        return now
+
+    def _release_quietly(self, lease: Lease) -> None:
+        assert self.store is not None
+        try:
+            self.store.release(lease)
+        except StoreUnavailable:
+            logger.warning(
+                "could not release after a duplicate; it will expire",
+                extra={"action": "release_failed", "lease_key": lease.key},
+            )
+
+    def _current_token(self, key: str) -> int | None:
+        if self.store is not None:
+            return self.store.fence_token(key)
+        return self.fence(key)
+
+    # -- reading -----------------------------------------------------------
+
+    def fence(self, key: str) -> int | None:
+        """The token registered in this database's fence row for ``key``."""
+        with self.db.single() as conn:
+            v = conn.execute(text(q.GUARD_CURRENT), {"resource": key}).scalar()
+        return None if v is None else int(v)
+
+    def get(self, key: str, token: int) -> AcceptedResult | None:
+        """The accepted row for exactly ``key`` and ``token``."""
+        return self._one(q.RESULT_BY_KEY_TOKEN, {"key": key, "token": token})
+
+    def accepted(self, key: str, tenant: str | None = None) -> AcceptedResult | None:
+        """The newest accepted result for ``key`` (in ``tenant``'s scope), or None."""
+        return self._one(q.RESULT_ACCEPTED, {"key": key, "tenant": tenant})
+
+    def for_task(self, task_id: str) -> AcceptedResult | None:
+        """The newest accepted result committed by ``task_id``, or None."""
+        return self._one(q.RESULT_FOR_TASK, {"task_id": task_id})
+
+    def history(self, key: str, tenant: str | None = None, limit: int = 20) -> list[AcceptedResult]:
+        """Accepted results for ``key``, newest first."""
+        with self.db.single() as conn:
+            rows = conn.execute(
+                text(q.RESULT_HISTORY), {"key": key, "tenant": tenant, "limit": limit}
+            ).all()
+        return [self._result(r) for r in rows]
+
+    def _one(self, sql: str, params: Mapping[str, Any]) -> AcceptedResult | None:
+        with self.db.single() as conn:
+            row = conn.execute(text(sql), dict(params)).first()
+        return None if row is None else self._result(row)
+
+    def _result(self, row: Row[Any]) -> AcceptedResult:
+        value = row.result
+        if isinstance(value, str) and self.db.is_sqlite:
+            value = json.loads(value)
+        return AcceptedResult(
+            key=row.lease_key,
+            token=int(row.fencing_token),
+            task_id=row.task_id,
+            owner_id=row.owner_id,
+            value=value,
+            accepted_at=float(row.accepted_at),
+            task_name=row.task_name,
+            tenant=row.tenant,
+            root_id=row.root_id,
+        )
+
+    # -- retention -----------------------------------------------------------
+
+    def sweep(self, result_expires: float | None, lease_grace: float = 3600.0) -> dict[str, int]:
+        """Delete results older than ``result_expires`` seconds (None keeps them)
+        and lease rows expired for over ``lease_grace`` seconds.
+
+        Never lowers a fence: a swept lease row's token is kept in its fence
+        row first, so a later claim still gets a larger token. Note that in
+        ``once`` mode a swept result no longer blocks a duplicate: retention
+        bounds the deduplication window.
+        """
+        with self.db.transaction() as conn:
+            now = self._now(conn)
+            swept_results = 0
+            if result_expires is not None:
+                swept_results = conn.execute(
+                    text(q.SWEEP_RESULTS), {"cutoff": now - result_expires}
+                ).rowcount
+            cutoff = now - lease_grace
+            conn.execute(text(q.SWEEP_KEEP_FENCES), {"cutoff": cutoff, "now": now})
+            swept_leases = conn.execute(text(q.SWEEP_LEASES), {"cutoff": cutoff}).rowcount
+        logger.info(
+            "swept",
+            extra={"action": "sweep", "results": swept_results, "leases": swept_leases},
+        )
+        return {"results": swept_results, "leases": swept_leases}
+
+
+def accepted(key: str, tenant: str | None = None, *, url: str) -> AcceptedResult | None:
+    """The newest accepted result for ``key`` in the result table at ``url``."""
+    return ResultTable(url).accepted(key, tenant)
+
+
+def for_task(task_id: str, *, url: str) -> AcceptedResult | None:
+    """The newest accepted result committed by ``task_id`` in the table at ``url``."""
+    return ResultTable(url).for_task(task_id)
