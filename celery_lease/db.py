@@ -505,3 +505,28 @@ WHERE fe.fencing_token <= excluded.fencing_token
 RETURNING fencing_token
 """
 GUARD_CURRENT = "SELECT fencing_token FROM celery_lease_fences WHERE resource = :resource"
+
+#: Before the body: register the token (leases elsewhere) and look up, in one
+#: round trip, whether this task id already has an accepted result (a late
+#: redelivery) and, in once mode, whether the key has one (a duplicate).
+PG_PREPARE = f"""
+WITH reg AS (
+    INSERT INTO celery_lease_fences AS fe (resource, fencing_token, updated_at)
+    SELECT :key, :token, {NOW["postgresql"]} WHERE :register
+    ON CONFLICT (resource) DO UPDATE SET
+        fencing_token = excluded.fencing_token, updated_at = excluded.updated_at
+    WHERE fe.fencing_token <= excluded.fencing_token
+    RETURNING fencing_token
+)
+SELECT (SELECT count(*) FROM reg) AS registered,
+       (SELECT fencing_token FROM celery_lease_results WHERE task_id = :task_id
+        ORDER BY fencing_token DESC LIMIT 1) AS task_token,
+       (SELECT fencing_token FROM celery_lease_results WHERE lease_key = :key AND :once
+        ORDER BY fencing_token LIMIT 1) AS duplicate_token
+"""
+SQLITE_PREPARE = """
+SELECT (SELECT fencing_token FROM celery_lease_results WHERE task_id = :task_id
+        ORDER BY fencing_token DESC LIMIT 1) AS task_token,
+       (SELECT fencing_token FROM celery_lease_results WHERE lease_key = :key AND :once
+        ORDER BY fencing_token LIMIT 1) AS duplicate_token
+"""

@@ -70,6 +70,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "MODES",
     "AcceptedResult",
+    "Prepared",
     "ResultTable",
     "accepted",
     "encode_result",
@@ -125,6 +126,16 @@ def encode_result(value: Any, *, task_name: str | None = None, max_bytes: int | 
     return encoded
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """What :meth:`ResultTable.prepare` found before the body runs."""
+
+    #: token of an accepted result of this task id (a late redelivery), or None
+    task_token: int | None
+    #: once mode: token of the key's accepted result (a duplicate), or None
+    duplicate_token: int | None
+
+
 class ResultTable:
     """The fenced result table in one SQL database.
 
@@ -170,6 +181,37 @@ class ResultTable:
             raise StaleFencingToken(
                 lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
             )
+
+    def prepare(self, lease: Lease, task_id: str | None, *, once: bool) -> Prepared:
+        """Before the body: :meth:`register` the token and look up earlier results.
+
+        One round trip on PostgreSQL. Raises :class:`StaleFencingToken` if a
+        newer owner registered first.
+        """
+        register = not self.colocated
+        params = {"key": lease.key, "token": lease.token, "task_id": task_id, "once": once}
+        if self.db.is_sqlite:
+            with self.db.transaction() as conn:
+                registered = 1
+                if register:
+                    registered = len(
+                        conn.execute(
+                            text(q.RESULT_REGISTER.format(now=self.db.now_sql)), params
+                        ).all()
+                    )
+                row = conn.execute(text(q.SQLITE_PREPARE), params).one()
+        else:
+            with self.db.single() as conn:
+                row = conn.execute(text(q.PG_PREPARE), {**params, "register": register}).one()
+            registered = int(row.registered) if register else 1
+        if not registered:
+            raise StaleFencingToken(
+                lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
+            )
+        return Prepared(
+            None if row.task_token is None else int(row.task_token),
+            None if row.duplicate_token is None else int(row.duplicate_token),
+        )
 
     # -- the commit --------------------------------------------------------
 

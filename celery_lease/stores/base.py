@@ -114,7 +114,10 @@ class LeaseRecord:
 
 def normalize_keys(key: str | Sequence[str]) -> tuple[str, tuple[str, ...]]:
     """Return ``(primary key, sorted unique keys)``; validates they are non-empty strings."""
-    keys = [key] if isinstance(key, str) else list(key)
+    try:
+        keys = [key] if isinstance(key, str) else list(key)
+    except TypeError:  # None, a number: not a key, not a list of keys
+        raise LeaseConfigError(f"a lease key is a non-empty string, got {key!r}") from None
     if not keys:
         raise LeaseConfigError("a claim needs at least one key")
     for k in keys:
@@ -269,9 +272,14 @@ class LeaseStore(ABC):
                 record.owner_id if record else None,
                 record.remaining if record else None,
             )
-        held = HeldLease(
-            self, lease, renew_interval=renew_interval, clock_drift=clock_drift, sent_at=sent
-        )
+        try:
+            held = HeldLease(
+                self, lease, renew_interval=renew_interval, clock_drift=clock_drift, sent_at=sent
+            )
+        except BaseException:
+            # A bad renew_interval / clock_drift: give the key back, never leave it blocked.
+            self.release(lease)
+            raise
         renewer().add(held)
         try:
             yield held

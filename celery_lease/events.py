@@ -1,0 +1,52 @@
+"""Custom task states, sent as task events so Flower shows them.
+
+Flower turns an unknown event ``task-<SUBJECT>`` into the task state
+``SUBJECT`` (upper-cased), so the event types are ``task-LEASE_REJECTED`` etc.
+A custom state replaces STARTED/RECEIVED but is itself replaced by a later
+``task-succeeded``/``task-failed``; so where a custom state must be final,
+the task records its result-backend state itself, sends the event last, and
+raises ``Ignore`` (no further events).
+
+Custom states never go into the result backend: Celery does not count them
+as ready, and ``AsyncResult.get()`` would block on them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kombu.exceptions import KombuError
+
+if TYPE_CHECKING:
+    from celery import Celery
+
+__all__ = ["FENCED", "LEASE_DEFERRED", "LEASE_LOST", "LEASE_REJECTED", "STATES", "send"]
+
+logger = logging.getLogger(__name__)
+
+#: A redelivery or duplicate that was not executed.
+LEASE_REJECTED = "LEASE_REJECTED"
+#: Re-published for later because a live owner holds the key.
+LEASE_DEFERRED = "LEASE_DEFERRED"
+#: Renewal failed or the lease ran out while the body was running.
+LEASE_LOST = "LEASE_LOST"
+#: The commit was refused: a stale fencing token.
+FENCED = "FENCED"
+
+STATES = (LEASE_REJECTED, LEASE_DEFERRED, LEASE_LOST, FENCED)
+
+
+def send(app: Celery, state: str, *, task_id: str, hostname: str | None, **fields: Any) -> None:
+    """Send ``task-<state>`` for ``task_id``. Never raises for a broker hiccup: it logs."""
+    try:
+        with app.events.default_dispatcher(hostname=hostname) as dispatcher:
+            dispatcher.send(f"task-{state}", uuid=task_id, **fields)
+    except (KombuError, OSError) as e:
+        logger.warning(
+            "could not send %s event for %s: %s",
+            state,
+            task_id,
+            e,
+            extra={"action": "event_failed", "task_id": task_id},
+        )

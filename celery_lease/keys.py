@@ -1,0 +1,181 @@
+"""Lease keys: derived from a task's arguments, stable across processes.
+
+A ``lease_key`` is one of:
+
+- a format template over the call's bound arguments: ``"payment-security-{api_id}"``
+  (defaults applied, so ``f(1)`` and ``f(1, region="eu")`` with that default agree);
+- a callable taking the task's arguments and returning a key or a list of keys;
+- nothing: the task's name plus the SHA-256 of the canonical JSON of the bound
+  arguments (sorted keys, no whitespace), which does not depend on argument
+  order, dict ordering or the process's hash seed.
+
+Tenant scoping (:func:`scoped`) is an injective encoding, so no tenant's key
+can equal another tenant's, or an unscoped key. Keys longer than
+:data:`MAX_KEY_LENGTH` are shortened deterministically (a readable prefix plus
+a hash of the whole).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import string
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from celery_lease.exceptions import LeaseConfigError
+
+__all__ = ["MAX_KEY_LENGTH", "KeySpec", "canonical_json", "scoped"]
+
+MAX_KEY_LENGTH = 200
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def shorten(key: str) -> str:
+    """Keys over :data:`MAX_KEY_LENGTH` become ``<prefix>~<sha256>`` (deterministic)."""
+    if len(key) <= MAX_KEY_LENGTH:
+        return key
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    return f"{key[: MAX_KEY_LENGTH - 66]}~{digest}"
+
+
+def scoped(key: str, tenant: str | None) -> str:
+    """``key`` in ``tenant``'s namespace: ``t/<len>:<tenant>/<key>``; unscoped keys as given.
+
+    Length-prefixing the tenant makes the encoding injective: ``("a:b", "c")``
+    and ``("a", "b:c")`` give different strings; and since unscoped keys may
+    not start with ``t/``, no unscoped key equals a scoped one.
+    """
+    if tenant is None:
+        if key.startswith("t/"):
+            raise LeaseConfigError(
+                f"lease key {key!r}: keys starting with 't/' are reserved for tenant scopes"
+            )
+        return key
+    if not isinstance(tenant, str) or not tenant:
+        raise LeaseConfigError(f"a tenant is a non-empty string, got {tenant!r}")
+    return f"t/{len(tenant)}:{tenant}/{key}"
+
+
+class KeySpec:
+    """How one task derives its lease keys from its arguments."""
+
+    def __init__(
+        self,
+        task_name: str,
+        func: Callable[..., Any],
+        template: str | Callable[..., Any] | None,
+        *,
+        bound: bool,
+    ) -> None:
+        self.task_name = task_name
+        self.template = template
+        try:
+            sig = inspect.signature(func)
+        except (TypeError, ValueError):
+            sig = None
+        if sig is not None and bound:
+            params = list(sig.parameters.values())[1:]
+            sig = sig.replace(parameters=params)
+        self.signature = sig
+        if isinstance(template, str):
+            self.fields = _template_fields(task_name, template)
+            self._check_fields()
+        elif template is not None and not callable(template):
+            raise LeaseConfigError(
+                f"task {task_name!r}: lease_key must be a format string or a callable, "
+                f"got {template!r}"
+            )
+        else:
+            self.fields = []
+
+    def _check_fields(self) -> None:
+        if self.signature is None:
+            return
+        params = self.signature.parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return
+        for field in self.fields:
+            if field not in params:
+                raise LeaseConfigError(
+                    f"task {self.task_name!r}: lease_key template names argument {field!r}, "
+                    f"which the task does not have (its arguments: {', '.join(params) or 'none'})"
+                )
+
+    def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        if self.signature is None:
+            return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
+        try:
+            bound = self.signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise LeaseConfigError(
+                f"task {self.task_name!r}: cannot derive its lease key, the call's arguments "
+                f"do not match the task's signature: {e}"
+            ) from e
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        for name, p in self.signature.parameters.items():
+            if p.kind is inspect.Parameter.VAR_KEYWORD and name in arguments:
+                arguments.update(arguments.pop(name))
+        return arguments
+
+    def keys(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[str]:
+        """The call's lease keys (one or more), shortened when too long."""
+        template = self.template
+        if callable(template):
+            produced = template(*args, **kwargs)
+            found = [produced] if isinstance(produced, str) else list(produced)
+        elif isinstance(template, str):
+            arguments = self.bind(args, kwargs)
+            try:
+                found = [template.format_map(arguments)]
+            except KeyError as e:
+                raise LeaseConfigError(
+                    f"task {self.task_name!r}: lease_key {template!r} names argument "
+                    f"{e.args[0]!r}, which this call did not pass"
+                ) from e
+            except (AttributeError, IndexError, ValueError) as e:
+                raise LeaseConfigError(
+                    f"task {self.task_name!r}: lease_key {template!r} cannot be formatted "
+                    f"from this call's arguments: {e}"
+                ) from e
+        else:
+            arguments = self.bind(args, kwargs)
+            try:
+                blob = canonical_json(arguments)
+            except (TypeError, ValueError) as e:
+                raise LeaseConfigError(
+                    f"task {self.task_name!r}: the default lease key hashes the arguments as "
+                    f"JSON, and these are not JSON ({e}); give the task a lease_key"
+                ) from e
+            found = [f"{self.task_name}:{hashlib.sha256(blob.encode()).hexdigest()}"]
+        if not found or not all(isinstance(k, str) and k for k in found):
+            raise LeaseConfigError(
+                f"task {self.task_name!r}: lease_key produced {found!r}; keys are non-empty strings"
+            )
+        return [shorten(k) for k in found]
+
+
+def _template_fields(task_name: str, template: str) -> list[str]:
+    fields: list[str] = []
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise LeaseConfigError(
+            f"task {task_name!r}: lease_key {template!r} is not a valid format string: {e}"
+        ) from e
+    for _, field, _, _ in parsed:
+        if field is None:
+            continue
+        base = field.split(".", 1)[0].split("[", 1)[0]
+        if not base or base.isdigit():
+            raise LeaseConfigError(
+                f"task {task_name!r}: lease_key {template!r} must name arguments, "
+                f"like {{api_id}}, not positions"
+            )
+        fields.append(base)
+    return fields

@@ -1,0 +1,108 @@
+"""Celery signal handlers and the worker bootstep, installed once per app.
+
+- worker start (bootstep, main process): validate every ``lease_*`` setting,
+  so a wrong one stops the worker with a message naming it;
+- ``worker_process_init`` (each prefork child): drop stores inherited from the
+  parent (connection pools are also reset by ``os.register_at_fork`` hooks);
+- ``worker_process_shutdown`` (a child's warm exit): release the leases it holds;
+- ``task_revoked`` with ``terminate=True`` (main process): the child is killed
+  mid-body, so release its lease on its behalf (evict, if the record still
+  names that task id). A child killed with SIGKILL otherwise leaves its lease
+  to expire after its TTL: nothing can run in the dead child.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import bootsteps
+from celery.signals import task_revoked, worker_process_init, worker_process_shutdown
+
+from celery_lease.exceptions import StoreUnavailable
+
+__all__ = ["LeaseBootstep", "install"]
+
+logger = logging.getLogger(__name__)
+
+
+class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Validates the settings when the worker starts (a bad one stops the worker)."""
+
+    label = "celery-lease"
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        from celery_lease.config import config
+
+        cfg = config(worker.app)
+        if cfg.metrics_port is not None:
+            from celery_lease import metrics_server
+
+            metrics_server.prepare(cfg.metrics_port)
+        super().__init__(worker, **kwargs)
+
+    def start(self, worker: Any) -> None:
+        from celery_lease.config import config
+
+        cfg = config(worker.app)
+        if cfg.metrics_port is not None:
+            from celery_lease import metrics_server
+
+            metrics_server.start(cfg.metrics_port)
+
+
+def install(app: Any) -> None:
+    """Add the bootstep and connect the handlers (idempotent)."""
+    if getattr(app, "_celery_lease_installed", False):
+        return
+    app._celery_lease_installed = True
+    app.steps["worker"].add(LeaseBootstep)
+    worker_process_init.connect(_process_init, weak=False, dispatch_uid="celery_lease.init")
+    worker_process_shutdown.connect(
+        _process_shutdown, weak=False, dispatch_uid="celery_lease.shutdown"
+    )
+    task_revoked.connect(_revoked, weak=False, dispatch_uid="celery_lease.revoked")
+
+
+def _process_init(**kwargs: Any) -> None:
+    from celery_lease import task
+
+    task._runtimes.clear()
+
+
+def _process_shutdown(**kwargs: Any) -> None:
+    from celery_lease.renewal import renewer
+
+    for held in renewer().leases:
+        try:
+            held.release()
+        except StoreUnavailable as e:
+            logger.warning("could not release %s at shutdown: %s", held.key, e)
+
+
+def _revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> None:
+    if not terminated or request is None:
+        return
+    from celery_lease.keys import scoped
+    from celery_lease.task import HEADER_KEYS, HEADER_TENANT, runtime
+
+    task = getattr(request, "task", None)
+    app = getattr(task, "app", None)
+    if app is None:
+        return
+    headers = getattr(request, "_request_dict", {}) or {}
+    keys = headers.get(HEADER_KEYS) or []
+    tenant = headers.get(HEADER_TENANT)
+    store = runtime(app).store
+    for key in keys:
+        full = scoped(str(key), tenant)
+        try:
+            record = store.inspect(full)
+            if record is not None and record.live and record.task_id == request.id:
+                store.evict(full)
+                logger.info(
+                    "released the lease of a terminated task",
+                    extra={"action": "revoke_release", "lease_key": full, "task_id": request.id},
+                )
+        except StoreUnavailable as e:
+            logger.warning("could not release %s after revoke: %s", full, e)

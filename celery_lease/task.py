@@ -1,0 +1,638 @@
+"""``LeasedTask``: claim at start, renew from a timer, fenced commit, release.
+
+In the worker child, before the body::
+
+    keys (from the message header, else derived) -> claim -> prepare
+      busy by another task id  -> lease_on_conflict: defer | reject | wait
+      busy by this task id     -> defer (a redelivered copy met the live owner:
+                                  dropping it would ack the owner's message too)
+      this task id accepted    -> LEASE_REJECTED, backend untouched
+      once mode, key accepted  -> lease_on_duplicate: reject | return
+    body (self.lease held, renewed by the process's timer thread)
+    detach the renewer -> commit (fenced) + release in one step
+
+Outcomes that are not plain SUCCESS/FAILURE record the result-backend state
+themselves (so ``AsyncResult.get()`` returns or raises), send the custom
+event last (so Flower shows the custom state), and ``raise Ignore``. A copy
+of a task id whose own execution owns the result never writes the backend.
+
+With ``acks_late``, a message that ends in a final state is acked and gone;
+so whenever the work was *not* done and nobody newer is doing it (the lease
+lapsed with no one taking over, the store was down at the commit), the task
+is re-published under its own id instead of failing: no lost work.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, NoReturn
+
+from celery import Task
+from celery.exceptions import Ignore, Retry
+from celery.states import STARTED
+
+from celery_lease import events, metrics
+from celery_lease.config import (
+    CONFLICT_POLICIES,
+    DUPLICATE_POLICIES,
+    MODES,
+    Config,
+    check_renew_interval,
+    choice,
+    config,
+)
+from celery_lease.exceptions import (
+    DuplicateResult,
+    LeaseConfigError,
+    LeaseError,
+    LeaseLost,
+    LeaseNotAcquired,
+    StaleFencingToken,
+    StoreUnavailable,
+)
+from celery_lease.keys import KeySpec, scoped
+from celery_lease.renewal import HeldLease, renewer
+from celery_lease.results import AcceptedResult, ResultTable, encode_result
+from celery_lease.stores.base import LeaseStore, new_owner_id
+
+__all__ = ["LeasedTask", "Runtime", "runtime"]
+
+logger = logging.getLogger(__name__)
+
+HEADER_KEYS = "lease_keys"
+HEADER_TENANT = "lease_tenant"
+HEADER_DEFERRALS = "lease_deferrals"
+HEADER_DEFER_ID = "lease_defer_id"
+#: Prefix of the store keys that mark an outstanding deferral of a task id.
+DEFER_MARKER = "celery-lease/defer/"
+
+
+class Runtime:
+    """This process's stores for one app (new after fork)."""
+
+    def __init__(self, cfg: Config) -> None:
+        options = dict(cfg.store_options)
+        if cfg.store_url.split("://", 1)[0] in ("redis", "rediss", "unix"):
+            options.setdefault("key_prefix", cfg.key_prefix)
+        self.store: LeaseStore = LeaseStore.from_url(cfg.store_url, **options)
+        self.results = ResultTable(cfg.result_url, self.store, max_bytes=cfg.result_max_bytes)
+
+
+_runtimes: dict[int, tuple[int, Runtime]] = {}
+_runtimes_lock = threading.Lock()
+
+
+def runtime(app: Any) -> Runtime:
+    """The process's :class:`Runtime` for ``app``."""
+    import os
+
+    pid = os.getpid()
+    with _runtimes_lock:
+        entry = _runtimes.get(id(app))
+        if entry is None or entry[0] != pid:
+            entry = (pid, Runtime(config(app)))
+            _runtimes[id(app)] = entry
+        return entry[1]
+
+
+@dataclass(frozen=True)
+class _Options:
+    ttl: float
+    renew_interval: float | None
+    mode: str
+    on_conflict: str
+    on_duplicate: str
+    commit: bool
+
+
+class LeasedTask(Task):  # type: ignore[misc]
+    """A Celery task that runs only while it holds a lease on its key.
+
+    Options (task keywords or class attributes): ``lease_key``, ``lease_ttl``,
+    ``lease_renew_interval``, ``lease_mode``, ``lease_on_conflict``,
+    ``lease_on_duplicate``, ``lease_tenant``, ``lease_commit``. Unset ones
+    take the app's ``lease_*`` settings.
+    """
+
+    lease_key: ClassVar[str | Callable[..., Any] | None] = None
+    lease_ttl: ClassVar[float | None] = None
+    lease_renew_interval: ClassVar[float | None] = None
+    lease_mode: ClassVar[str | None] = None
+    lease_on_conflict: ClassVar[str | None] = None
+    lease_on_duplicate: ClassVar[str | None] = None
+    lease_tenant: ClassVar[str | Callable[..., Any] | None] = None
+    lease_commit: ClassVar[bool] = True
+
+    _lease_track_started: ClassVar[bool] = False
+    _lease_keyspec: ClassVar[KeySpec | None] = None
+    _lease_tenantspec: ClassVar[KeySpec | None] = None
+
+    # -- registration --------------------------------------------------------
+
+    @classmethod
+    def on_bound(cls, app: Any) -> None:
+        super().on_bound(app)
+        if cls.name is None or "run" not in _own_attrs(cls):
+            return  # the base class itself, or an abstract subclass
+        # The tracer would store STARTED before __call__, so a rejected copy
+        # would overwrite the owner's final state: write STARTED ourselves
+        # once we own the key.
+        if cls.track_started:
+            cls._lease_track_started = True
+            cls.track_started = False
+        run_static = _is_static(cls)
+        func = cls.run.__func__ if hasattr(cls.run, "__func__") else cls.run
+        cls._lease_keyspec = KeySpec(cls.name, func, cls.lease_key, bound=not run_static)
+        if cls.lease_tenant is not None:
+            cls._lease_tenantspec = KeySpec(cls.name, func, cls.lease_tenant, bound=not run_static)
+        for attr, allowed in (
+            ("lease_mode", MODES),
+            ("lease_on_conflict", CONFLICT_POLICIES),
+            ("lease_on_duplicate", DUPLICATE_POLICIES),
+        ):
+            value = getattr(cls, attr)
+            if value is not None:
+                choice(f"task {cls.name!r}: {attr}", value, allowed)
+        if cls.lease_ttl is not None and (
+            isinstance(cls.lease_ttl, bool)
+            or not isinstance(cls.lease_ttl, (int, float))
+            or cls.lease_ttl <= 0
+        ):
+            raise LeaseConfigError(
+                f"task {cls.name!r}: lease_ttl must be a positive number of seconds, "
+                f"got {cls.lease_ttl!r}"
+            )
+        if cls.lease_renew_interval is not None and cls.lease_ttl is not None:
+            check_renew_interval(
+                cls.lease_renew_interval, cls.lease_ttl, f"task {cls.name!r}: lease_renew_interval"
+            )
+        from celery_lease import signals
+
+        signals.install(app)
+
+    # -- publishing ----------------------------------------------------------
+
+    def apply_async(
+        self,
+        args: Sequence[Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Publish with the lease keys computed once, in a message header.
+
+        Retries and redeliveries then use the same keys; a key template that
+        does not fit the call fails here, naming the task and the argument.
+        """
+        headers = dict(options.pop("headers", None) or {})
+        if HEADER_KEYS not in headers:
+            headers[HEADER_KEYS] = self.lease_keys_for(args or (), kwargs or {})
+            if HEADER_TENANT not in headers:
+                headers[HEADER_TENANT] = self.lease_tenant_for(args or (), kwargs or {})
+        return super().apply_async(
+            args, kwargs, task_id, producer, link, link_error, shadow, headers=headers, **options
+        )
+
+    def lease_keys_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[str]:
+        """The lease keys of a call with these arguments (unscoped)."""
+        return self._spec().keys(args, kwargs)
+
+    def lease_tenant_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> str | None:
+        spec = type(self)._lease_tenantspec
+        if spec is None:
+            return None
+        return spec.keys(args, kwargs)[0]
+
+    def _spec(self) -> KeySpec:
+        spec = type(self)._lease_keyspec
+        if spec is None:
+            func = self.run.__func__ if hasattr(self.run, "__func__") else self.run
+            spec = KeySpec(self.name, func, self.lease_key, bound=False)
+            type(self)._lease_keyspec = spec
+        return spec
+
+    # -- reading results -------------------------------------------------------
+
+    def accepted(self, *args: Any, **kwargs: Any) -> AcceptedResult | None:
+        """The accepted result for the key of a call with these arguments, or None."""
+        keys = self.lease_keys_for(args, kwargs)
+        tenant = self.lease_tenant_for(args, kwargs)
+        return runtime(self.app).results.accepted(scoped(keys[0], tenant), tenant)
+
+    @property
+    def lease(self) -> HeldLease | None:
+        """The lease the current execution holds (None outside a leased execution)."""
+        return getattr(self.request, "_celery_lease", None)
+
+    # -- execution -------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        req = self.request
+        if req.called_directly or not req.id:
+            # A direct call `task(...)` runs the body in the caller, unleased,
+            # as Celery runs it without retries or a result backend.
+            return super().__call__(*args, **kwargs)
+        return _Execution(self, args, kwargs).run()
+
+    def _options(self, cfg: Config) -> _Options:
+        ttl = float(self.lease_ttl if self.lease_ttl is not None else cfg.ttl)
+        renew = self.lease_renew_interval
+        if renew is None and self.lease_ttl is None:
+            renew = cfg.renew_interval
+        return _Options(
+            ttl=ttl,
+            renew_interval=renew,
+            mode=self.lease_mode or cfg.mode,
+            on_conflict=self.lease_on_conflict or cfg.on_conflict,
+            on_duplicate=self.lease_on_duplicate or cfg.on_duplicate,
+            commit=bool(self.lease_commit),
+        )
+
+
+class _Execution:
+    """One execution of a leased task in the worker (or in ``apply()``)."""
+
+    def __init__(self, task: LeasedTask, args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self.task = task
+        self.app = task.app
+        self.args = args
+        self.kwargs = kwargs
+        self.req = task.request
+        self.cfg = config(self.app)
+        self.rt = runtime(self.app)
+        self.opts = task._options(self.cfg)
+        self.task_id: str = self.req.id
+        self.hostname: str | None = self.req.hostname
+        header_keys = getattr(self.req, HEADER_KEYS, None)
+        if header_keys:
+            self.keys = [str(k) for k in header_keys]
+            self.tenant: str | None = getattr(self.req, HEADER_TENANT, None)
+        else:  # sent by a client without the header (send_task, another language)
+            self.keys = task.lease_keys_for(args, kwargs)
+            self.tenant = task.lease_tenant_for(args, kwargs)
+        self.scoped = [scoped(k, self.tenant) for k in self.keys]
+        self.key = self.scoped[0]
+        self.meta = {
+            "task_id": self.task_id,
+            "task_name": task.name,
+            "root_id": self.req.root_id,
+            "tenant": self.tenant,
+        }
+        self.held: HeldLease | None = None
+
+    # -- the whole path ----------------------------------------------------------
+
+    def run(self) -> Any:
+        held = self.claim()
+        self.held = held
+        finished = False
+        try:
+            if self.opts.commit:
+                self.prepare(held)
+            if self.task._lease_track_started and not self._ignore_result():
+                self.task.backend.store_result(
+                    self.task_id,
+                    {"pid": _pid(), "hostname": self.hostname},
+                    STARTED,
+                    request=self.req,
+                )
+            held.add_lost_callback(self._on_lost)
+            renewer().add(held)
+            self.req._celery_lease = held
+            try:
+                retval = self.task.run(*self.args, **self.kwargs)
+            except LeaseLost as e:
+                held.detach()
+                finished = True
+                self.not_done(e, events.LEASE_LOST)
+            except Retry:
+                self.release()  # the retry claims again, with a newer token
+                finished = True
+                raise
+            held.detach()
+            if not self.opts.commit:
+                finished = True
+                self.release()
+                return retval
+            result = self.commit(held, retval)
+            finished = True
+            return result
+        finally:
+            self.req._celery_lease = None
+            if not finished:
+                self.release()
+
+    # -- claiming ------------------------------------------------------------------
+
+    def claim(self) -> HeldLease:
+        store = self.rt.store
+        deadline = time.monotonic() + self.cfg.store_retry
+        waited_until = time.monotonic() + self.cfg.wait_timeout
+        delay = 0.05
+        owner_id = new_owner_id()
+        while True:
+            sent = time.monotonic()
+            started = time.perf_counter()
+            try:
+                lease = store.claim(
+                    self.scoped, ttl=self.opts.ttl, owner_id=owner_id, meta=self.meta
+                )
+            except StoreUnavailable as e:
+                if time.monotonic() < deadline:
+                    time.sleep(_jitter(delay))
+                    delay = min(delay * 2, 1.0)
+                    continue
+                metrics.claims.labels("store_unavailable").inc()
+                self.defer(self._default_countdown(), f"lease store unavailable: {e}")
+            metrics.claim_latency.observe(time.perf_counter() - started)
+            if lease is not None:
+                metrics.claims.labels("granted").inc()
+                logger.info(
+                    "lease granted",
+                    extra={
+                        "action": "claim",
+                        "lease_key": self.key,
+                        "token": lease.token,
+                        "task_id": self.task_id,
+                    },
+                )
+                return HeldLease(
+                    store,
+                    lease,
+                    renew_interval=self.opts.renew_interval,
+                    clock_drift=self.cfg.clock_drift,
+                    sent_at=sent,
+                )
+            try:
+                holder = store.inspect(self.key)
+            except StoreUnavailable:
+                holder = None
+            remaining = holder.remaining if holder is not None else self.opts.ttl
+            if holder is not None and holder.task_id == self.task_id:
+                # A redelivered copy of this very task met its live owner: defer,
+                # never drop (acking it would ack the owner's message too).
+                self.defer(remaining, "a copy of this task id holds the lease")
+            policy = self.opts.on_conflict
+            if policy == "reject":
+                metrics.claims.labels("rejected").inc()
+                self.reject(
+                    LeaseNotAcquired(self.key, holder.owner_id if holder else None, remaining),
+                    reason="conflict",
+                )
+            if policy == "wait" and time.monotonic() < waited_until:
+                time.sleep(min(_jitter(delay), max(0.0, waited_until - time.monotonic())))
+                delay = min(delay * 2, 2.0)
+                continue
+            self.defer(remaining, "another owner holds the lease")
+
+    def prepare(self, held: HeldLease) -> None:
+        deadline = held.valid_until
+        while True:
+            try:
+                prepared = self.rt.results.prepare(
+                    held.lease, self.task_id, once=self.opts.mode == "once"
+                )
+                break
+            except StaleFencingToken:
+                self.release()
+                self.defer(self._default_countdown(), "a newer owner claimed before the body")
+            except StoreUnavailable as e:
+                if time.monotonic() + 0.5 < deadline:
+                    time.sleep(0.2)
+                    continue
+                self.release()
+                self.defer(self._default_countdown(), f"result database unavailable: {e}")
+        if prepared.task_token is not None:
+            # A late redelivery of a task whose result was accepted: never run it
+            # again, never touch the backend state its own execution wrote.
+            self.release()
+            metrics.claims.labels("redelivery").inc()
+            self.event(events.LEASE_REJECTED, reason="redelivery of an accepted task")
+            raise Ignore()
+        if prepared.duplicate_token is not None:
+            self.release()
+            self.duplicate(DuplicateResult(self.key, prepared.duplicate_token))
+
+    # -- the commit ----------------------------------------------------------------
+
+    def commit(self, held: HeldLease, retval: Any) -> Any:
+        encoded = encode_result(
+            retval, task_name=self.task.name, max_bytes=self.cfg.result_max_bytes
+        )
+        delay = 0.1
+        while True:
+            try:
+                self.rt.results.commit(
+                    held.lease,
+                    retval,
+                    mode=self.opts.mode,
+                    release=True,
+                    task_id=self.task_id,
+                    task_name=self.task.name,
+                    tenant=self.tenant,
+                    root_id=self.req.root_id,
+                    encoded=encoded,
+                )
+                held.released = True
+                return retval
+            except StaleFencingToken as e:
+                held.released = True
+                metrics.stale_commits.inc()
+                self.not_done(e, events.FENCED)
+            except DuplicateResult as e:
+                held.released = True
+                self.duplicate(e)
+            except StoreUnavailable as e:
+                if time.monotonic() + delay < held.valid_until:
+                    time.sleep(_jitter(delay))
+                    delay = min(delay * 2, 1.0)
+                    continue
+                # The outcome is unknown and the lease has run out: redo. If the
+                # commit did land, the re-run is rejected as a redelivery.
+                self.event(events.FENCED, reason=f"store unavailable at commit: {e}")
+                self.republish(0.0, reason="commit outcome unknown")
+
+    # -- outcomes --------------------------------------------------------------------
+
+    def not_done(self, exc: LeaseError, state: str) -> NoReturn:
+        """The body ran but its result was not accepted (fenced, or the lease was lost)."""
+        token = self.held.token if self.held else None
+        newer: AcceptedResult | None = None
+        holder = None
+        try:
+            newer = self.rt.results.accepted(self.key, self.tenant)
+            holder = self.rt.store.inspect(self.key)
+        except StoreUnavailable:
+            pass
+        if newer is not None and newer.task_id == self.task_id:
+            # Another execution of this task id won: its SUCCESS stands.
+            self.event(state, token=token, reason="another execution of this task id committed")
+            raise Ignore()
+        if holder is not None and holder.live and holder.task_id == self.task_id:
+            self.event(state, token=token, reason="another execution of this task id holds it")
+            raise Ignore()
+        taken_over = (newer is not None and token is not None and newer.token > token) or (
+            holder is not None and holder.live
+        )
+        if not taken_over:
+            # Nobody newer did or is doing this key's work: redo, never lose it.
+            self.event(state, token=token, reason="lease lapsed with no new owner: re-queued")
+            self.republish(0.0, reason="lease lapsed with no new owner")
+        self._store_failure(exc)
+        self.event(state, token=token, reason=str(exc))
+        raise Ignore()
+
+    def duplicate(self, exc: DuplicateResult) -> NoReturn:
+        metrics.claims.labels("duplicate").inc()
+        if self.opts.on_duplicate == "return":
+            accepted = self.rt.results.accepted(self.key, self.tenant)
+            if not self._ignore_result():
+                self.task.backend.mark_as_done(
+                    self.task_id, accepted.value if accepted else None, request=self.req
+                )
+            self.event(events.LEASE_REJECTED, reason="duplicate: returned the accepted result")
+            raise Ignore()
+        self.reject(exc, reason="duplicate")
+
+    def reject(self, exc: LeaseError, reason: str) -> NoReturn:
+        self._store_failure(exc)
+        self.event(events.LEASE_REJECTED, reason=f"{reason}: {exc}")
+        raise Ignore()
+
+    def defer(self, remaining: float, reason: str) -> NoReturn:
+        """Re-publish this task id for after the holder's lease, backend untouched."""
+        deferrals = int(getattr(self.req, HEADER_DEFERRALS, 0) or 0)
+        if deferrals >= self.cfg.defer_max:
+            metrics.claims.labels("rejected").inc()
+            self.reject(
+                LeaseNotAcquired(self.key, None, remaining),
+                reason=f"deferred {deferrals} times (lease_defer_max)",
+            )
+        countdown = remaining + random.uniform(0.05, 0.05 + min(1.0, 0.1 * self.opts.ttl))
+        metrics.claims.labels("deferred").inc()
+        self.republish(countdown, reason=reason, deferrals=deferrals + 1)
+
+    def republish(self, countdown: float, *, reason: str, deferrals: int | None = None) -> NoReturn:
+        """Publish this task id again (at most one outstanding copy), then Ignore."""
+        vt = self.cfg.visibility_timeout
+        if vt is not None:
+            # The Redis transport restores (and so multiplies) countdown messages
+            # held past its visibility timeout.
+            countdown = min(countdown, vt / 2)
+        defer_id = getattr(self.req, HEADER_DEFER_ID, None) or uuid.uuid4().hex
+        try:
+            queued_elsewhere = (
+                self.rt.store.claim(
+                    DEFER_MARKER + self.task_id,
+                    ttl=countdown + max(self.opts.ttl, 10.0),
+                    owner_id=defer_id,
+                )
+                is None
+            )
+        except StoreUnavailable:
+            queued_elsewhere = False  # cannot check: a second copy beats losing the work
+        if queued_elsewhere:
+            # Another copy of this task id is deferred already: drop this one.
+            self.event(events.LEASE_REJECTED, reason="a deferred copy is already queued")
+            raise Ignore()
+        headers = dict(getattr(self.req, "headers", None) or {})
+        headers.update(
+            {
+                HEADER_KEYS: self.keys,
+                HEADER_TENANT: self.tenant,
+                HEADER_DEFER_ID: defer_id,
+                HEADER_DEFERRALS: deferrals
+                if deferrals is not None
+                else int(getattr(self.req, HEADER_DEFERRALS, 0) or 0),
+            }
+        )
+        sig = self.task.signature_from_request(
+            self.req, self.args, self.kwargs, countdown=countdown, headers=headers
+        )
+        sig.apply_async()
+        self.event(events.LEASE_DEFERRED, countdown=round(countdown, 3), reason=reason)
+        raise Ignore()
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def release(self) -> None:
+        held = self.held
+        if held is None or held.released:
+            return
+        try:
+            held.release()
+        except StoreUnavailable as e:
+            logger.warning(
+                "could not release %s (it will expire): %s",
+                self.key,
+                e,
+                extra={"action": "release_failed", "lease_key": self.key},
+            )
+
+    def _on_lost(self, held: HeldLease, reason: str) -> None:
+        # Runs in the renewal thread: self.req is not this thread's request, so
+        # only values captured at claim time are used.
+        metrics.leases_lost.inc()
+        self.event(events.LEASE_LOST, token=held.token, reason=reason)
+
+    def event(self, state: str, **fields: Any) -> None:
+        if self.cfg.send_events:
+            events.send(
+                self.app,
+                state,
+                task_id=self.task_id,
+                hostname=self.hostname,
+                lease_key=self.key,
+                **fields,
+            )
+        logger.info(
+            "%s %s",
+            state,
+            self.task_id,
+            extra={"action": state.lower(), "lease_key": self.key, "task_id": self.task_id},
+        )
+
+    def _store_failure(self, exc: BaseException) -> None:
+        if not self._ignore_result():
+            self.task.backend.mark_as_failure(self.task_id, exc, request=self.req)
+
+    def _ignore_result(self) -> bool:
+        return bool(self.task.ignore_result or getattr(self.req, "ignore_result", False))
+
+    def _default_countdown(self) -> float:
+        return min(self.opts.ttl, 5.0)
+
+
+def _jitter(delay: float) -> float:
+    return delay * random.uniform(0.5, 1.5)
+
+
+def _pid() -> int:
+    import os
+
+    return os.getpid()
+
+
+def _own_attrs(cls: type) -> set[str]:
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass in (LeasedTask, Task, object):
+            break
+        names.update(vars(klass))
+    return names
+
+
+def _is_static(cls: type) -> bool:
+    import inspect
+
+    return isinstance(inspect.getattr_static(cls, "run"), staticmethod)
