@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Row, text
+from sqlalchemy import Connection, Row, exc, text
 
 from celery_lease import db as q
 from celery_lease.exceptions import (
@@ -256,7 +256,9 @@ class ResultTable:
                 accepted_at = self._commit_colocated(lease, row, mode, release)
             else:
                 accepted_at = self._commit_remote(lease, row, mode, release)
-        except StaleFencingToken:
+        except (StaleFencingToken, DuplicateResult):
+            # A retry of a commit whose reply was lost: refused as stale once the
+            # lease is gone, or (lease still held) found as this token's own row.
             existing = self.get(lease.key, lease.token)
             if existing is not None and existing.owner_id == lease.owner_id:
                 return existing  # an earlier attempt of this very commit was accepted
@@ -279,7 +281,12 @@ class ResultTable:
 
     def _insert(self, conn: Connection, row: dict[str, Any], now: float) -> None:
         cast = "CAST(:result AS jsonb)" if not self.db.is_sqlite else ":result"
-        conn.execute(text(q.RESULT_INSERT.format(result=cast)), {**row, "now": now})
+        try:
+            conn.execute(text(q.RESULT_INSERT.format(result=cast)), {**row, "now": now})
+        except exc.IntegrityError as e:
+            # key + token is unique and a token is granted once: the row is
+            # there from an earlier attempt of this commit (see commit()).
+            raise DuplicateResult(row["key"], row["token"]) from e
 
     def _now(self, conn: Connection) -> float:
         return float(conn.exec_driver_sql(q.SELECT_NOW.format(now=self.db.now_sql)).scalar_one())
@@ -375,6 +382,14 @@ class ResultTable:
         if self.store is not None:
             return self.store.fence_token(key)
         return self.fence(key)
+
+    def raise_fence(self, key: str, token: int) -> None:
+        """Raise this database's fence for ``key`` to at least ``token`` (never lowers it).
+
+        Used after a force release, so the evicted owner's guarded writes are refused.
+        """
+        with self.db.transaction() as conn:
+            conn.execute(text(q.RAISE_FENCE), {"key": key, "token": token, "now": self._now(conn)})
 
     # -- reading -----------------------------------------------------------
 

@@ -1,0 +1,258 @@
+"""``celery -A proj lease ...``: operators' commands, thin over library calls.
+
+Registered through Celery's ``celery.commands`` entry point. Human-readable
+tables by default, ``--json`` for scripts; exit codes: 0 done, 1 an error
+(unreachable store, bad settings), 2 usage, 3 unknown key / nothing to do.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict
+from functools import wraps
+from typing import Any
+
+import click
+from celery.bin.base import CeleryCommand
+
+from celery_lease.config import config
+from celery_lease.exceptions import LeaseError
+from celery_lease.keys import scoped
+from celery_lease.results import AcceptedResult, ResultTable
+from celery_lease.stores.base import LeaseRecord, LeaseStore
+
+__all__ = ["lease"]
+
+NOT_FOUND = 3
+
+
+def _stores(ctx: click.Context) -> tuple[LeaseStore, ResultTable]:
+    from celery_lease.task import runtime
+
+    rt = runtime(ctx.obj.app)
+    return rt.store, rt.results
+
+
+def _errors(func: Callable[..., Any]) -> Callable[..., Any]:
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except LeaseError as e:
+            click.echo(f"Error: {e}", err=True)
+            raise SystemExit(1) from e
+
+    return wrapper
+
+
+def _when(t: float | None, now: float | None = None) -> str:
+    if t is None:
+        return "-"
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
+    if now is not None:
+        delta = t - now
+        if delta >= 0:
+            return f"{stamp} (in {delta:.1f}s)"
+        return f"{stamp} ({-delta:.1f}s ago)"
+    return stamp
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    rows = [[str(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
+
+
+def _record_json(r: LeaseRecord) -> dict[str, Any]:
+    return {**asdict(r), "live": r.live, "remaining": r.remaining}
+
+
+def _result_json(r: AcceptedResult) -> dict[str, Any]:
+    return asdict(r)
+
+
+tenant_option = click.option("--tenant", default=None, help="Tenant scope of the key.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+
+
+@click.group(name="lease")
+def lease() -> None:
+    """Inspect and manage celery-lease leases and accepted results."""
+
+
+@lease.command(cls=CeleryCommand, name="list")
+@click.option("--prefix", default="", help="Only keys starting with this.")
+@click.option("--expired", is_flag=True, help="Include expired leases still on record.")
+@json_option
+@click.pass_context
+@_errors
+def list_(ctx: click.Context, prefix: str, expired: bool, as_json: bool) -> None:
+    """Live leases (and expired ones with --expired)."""
+    store, _ = _stores(ctx)
+    records = store.list(prefix, expired=expired)
+    if as_json:
+        click.echo(json.dumps([_record_json(r) for r in records], indent=2))
+        return
+    if not records:
+        click.echo("no leases")
+        return
+    click.echo(
+        _table(
+            ["KEY", "TOKEN", "OWNER", "TASK", "EXPIRES"],
+            [
+                (r.key, r.token, r.owner_id or "-", r.task_id or "-", _when(r.expires_at, r.now))
+                for r in records
+            ],
+        )
+    )
+
+
+@lease.command(cls=CeleryCommand)
+@click.argument("key")
+@tenant_option
+@json_option
+@click.pass_context
+@_errors
+def show(ctx: click.Context, key: str, tenant: str | None, as_json: bool) -> None:
+    """One key's lease record and fence."""
+    store, _ = _stores(ctx)
+    record = store.inspect(scoped(key, tenant))
+    if record is None:
+        click.echo(f"Error: no lease on record for {key!r}", err=True)
+        raise SystemExit(NOT_FOUND)
+    if as_json:
+        click.echo(json.dumps(_record_json(record), indent=2))
+        return
+    state = "held" if record.live else "free"
+    click.echo(
+        _table(
+            ["FIELD", "VALUE"],
+            [
+                ("key", record.key),
+                ("state", state),
+                ("token", record.token),
+                ("owner", record.owner_id or "-"),
+                ("task", record.task_id or "-"),
+                ("task name", record.task_name or "-"),
+                ("workflow", record.root_id or "-"),
+                ("tenant", record.tenant or "-"),
+                ("acquired", _when(record.acquired_at, record.now)),
+                ("renewed", _when(record.renewed_at, record.now)),
+                ("expires", _when(record.expires_at, record.now) if record.live else "-"),
+            ],
+        )
+    )
+
+
+@lease.command(cls=CeleryCommand)
+@click.argument("key")
+@tenant_option
+@click.option("--limit", default=20, show_default=True, help="Newest N accepted results.")
+@json_option
+@click.pass_context
+@_errors
+def results(ctx: click.Context, key: str, tenant: str | None, limit: int, as_json: bool) -> None:
+    """Accepted results for KEY, newest first."""
+    _, table = _stores(ctx)
+    rows = table.history(scoped(key, tenant), tenant, limit)
+    if as_json:
+        click.echo(json.dumps([_result_json(r) for r in rows], indent=2))
+        return
+    if not rows:
+        click.echo(f"Error: no accepted result for {key!r}", err=True)
+        raise SystemExit(NOT_FOUND)
+    click.echo(
+        _table(
+            ["TOKEN", "TASK", "ACCEPTED", "RESULT"],
+            [
+                (r.token, r.task_id or "-", _when(r.accepted_at), json.dumps(r.value)[:60])
+                for r in rows
+            ],
+        )
+    )
+
+
+@lease.command(cls=CeleryCommand)
+@click.argument("key")
+@tenant_option
+@click.option("--force", is_flag=True, help="Required: evict whoever holds the key.")
+@json_option
+@click.pass_context
+@_errors
+def release(ctx: click.Context, key: str, tenant: str | None, force: bool, as_json: bool) -> None:
+    """Evict KEY's holder and advance its fence (the evicted owner can never commit)."""
+    if not force:
+        click.echo("Error: releasing someone else's lease needs --force", err=True)
+        raise SystemExit(2)
+    from celery_lease import metrics
+
+    store, table = _stores(ctx)
+    full = scoped(key, tenant)
+    evicted = store.evict(full)
+    fence = store.fence_token(full)
+    table.raise_fence(full, fence)
+    metrics.force_releases.inc()
+    if as_json:
+        click.echo(
+            json.dumps(
+                {"key": key, "evicted": _record_json(evicted) if evicted else None, "fence": fence}
+            )
+        )
+    elif evicted is None:
+        click.echo(f"{key}: no live lease; fence advanced to {fence}")
+    else:
+        click.echo(
+            f"{key}: evicted {evicted.owner_id} (token {evicted.token}, task "
+            f"{evicted.task_id or '-'}); fence advanced to {fence}"
+        )
+    if evicted is None:
+        raise SystemExit(NOT_FOUND)
+
+
+@lease.command(cls=CeleryCommand)
+@click.pass_context
+@_errors
+def migrate(ctx: click.Context) -> None:
+    """Create or upgrade celery-lease's tables (leases, results, fences)."""
+    from celery_lease.db import migrate as run_migrations
+
+    cfg = config(ctx.obj.app)
+    urls = [cfg.result_url]
+    if cfg.store_url != cfg.result_url and cfg.store_url.startswith(("sqlite", "postgres")):
+        urls.append(cfg.store_url)
+    for url in urls:
+        run_migrations(url)
+        from celery_lease.stores.base import redact_url
+
+        click.echo(f"migrated {redact_url(url)}")
+
+
+@lease.command(cls=CeleryCommand)
+@click.option(
+    "--lease-grace",
+    default=3600.0,
+    show_default=True,
+    help="Delete lease rows expired for longer than this many seconds.",
+)
+@json_option
+@click.pass_context
+@_errors
+def sweep(ctx: click.Context, lease_grace: float, as_json: bool) -> None:
+    """Delete results past lease_result_expires and long-expired lease rows (fences stay)."""
+    cfg = config(ctx.obj.app)
+    store, table = _stores(ctx)
+    counts = table.sweep(cfg.result_expires, lease_grace)
+    from celery_lease.stores.sql import SQLLeaseStore
+
+    if isinstance(store, SQLLeaseStore) and store.db is not table.db:
+        extra = ResultTable(store.url, store).sweep(None, lease_grace)
+        counts["leases"] += extra["leases"]
+    if as_json:
+        click.echo(json.dumps(counts))
+    else:
+        click.echo(f"swept {counts['results']} result(s), {counts['leases']} lease row(s)")
