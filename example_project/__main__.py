@@ -1,0 +1,3 @@
+from example_project.demo import main
+
+raise SystemExit(main())

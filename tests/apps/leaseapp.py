@@ -1,0 +1,121 @@
+"""A Celery app for acceptance tests, configured from CL_* environment variables.
+
+Every task body appends its start and end to an independent, fsync'd
+execution log (``CL_LOG``), so tests count executions without trusting the
+plugin's own tables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+from celery import Celery
+
+from celery_lease import LeasedTask
+
+
+def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
+    """The app and its tasks, configured from ``environ`` (workers: os.environ;
+    tests: the same variables, to publish and read results as a client)."""
+    env = environ.get
+    app = Celery(
+        "leaseapp",
+        broker=env("CL_BROKER", "redis://127.0.0.1:6379/10"),
+        backend=env("CL_BACKEND", "redis://127.0.0.1:6379/11"),
+    )
+    app.conf.update(
+        lease_store_url=env("CL_STORE", "sqlite:///celery-lease-test.sqlite3"),
+        lease_result_url=env("CL_RESULTS") or None,
+        lease_ttl=float(env("CL_TTL", "3")),
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_track_started=env("CL_TRACK_STARTED", "1") == "1",
+        broker_connection_retry_on_startup=True,
+        worker_hijack_root_logger=False,
+    )
+    if env("CL_VT"):
+        app.conf.broker_transport_options = {
+            "visibility_timeout": float(env("CL_VT", "3600")),
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+        }
+    if env("CL_SETTINGS"):
+        app.conf.update(json.loads(env("CL_SETTINGS", "{}")))
+
+    def leased(name: str, **options: Any) -> Any:
+        def run(self: Any, key: str, sleep: float = 0.0, tag: str = "") -> dict[str, Any]:
+            return _body(self, key, sleep, tag, env("CL_LOG"))
+
+        run.__name__ = name
+        return app.task(
+            base=LeasedTask, bind=True, name=f"leaseapp.{name}", lease_key="{key}", **options
+        )(run)
+
+    tasks = SimpleNamespace(
+        work=leased("work"),
+        work_once=leased("work_once", lease_mode="once"),
+        work_reject=leased("work_reject", lease_on_conflict="reject"),
+        work_once_return=leased("work_once_return", lease_mode="once", lease_on_duplicate="return"),
+        lock_only=leased("lock_only", lease_commit=False),
+    )
+    return app, tasks
+
+
+def record(path: str | None, event: str, **fields: Any) -> None:
+    if not path:
+        return
+    line = json.dumps({"event": event, "pid": os.getpid(), "t": time.time(), **fields}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _body(task: Any, key: str, sleep: float, tag: str) -> dict[str, Any]:
+    lease = task.lease
+    record(
+        "start",
+        task_id=task.request.id,
+        key=key,
+        token=lease.token,
+        tag=tag,
+        hostname=task.request.hostname,
+        redelivered=bool((task.request.delivery_info or {}).get("redelivered")),
+    )
+    deadline = time.monotonic() + sleep
+    while time.monotonic() < deadline:
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    record("end", task_id=task.request.id, key=key, token=lease.token, tag=tag, held=lease.held)
+    return {"key": key, "token": lease.token, "tag": tag, "pid": os.getpid()}
+
+
+def _body(task: Any, key: str, sleep: float, tag: str, log: str | None) -> dict[str, Any]:
+    lease = task.lease
+    record(
+        log,
+        "start",
+        task_id=task.request.id,
+        key=key,
+        token=lease.token,
+        tag=tag,
+        hostname=task.request.hostname,
+        redelivered=bool((task.request.delivery_info or {}).get("redelivered")),
+    )
+    deadline = time.monotonic() + sleep
+    while time.monotonic() < deadline:
+        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+    record(
+        log, "end", task_id=task.request.id, key=key, token=lease.token, tag=tag, held=lease.held
+    )
+    return {"key": key, "token": lease.token, "tag": tag, "pid": os.getpid()}
+
+
+app, tasks = build(os.environ)

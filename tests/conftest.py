@@ -1,0 +1,300 @@
+"""Shared pytest fixtures: private Redis / PostgreSQL / RabbitMQ servers.
+
+Session-scoped servers (started lazily, only when a test asks for them):
+
+* ``redis_server``    -- ``RedisServer``, AOF on, ``appendfsync always``
+* ``pg_server``       -- ``PostgresServer``, a private cluster
+* ``rabbitmq_server`` -- ``RabbitMQServer``, a private node
+
+Per-test / per-module handles on them:
+
+* ``redis_url``  (function) -- ``redis://127.0.0.1:PORT/N``, a database
+  number of its own, emptied before the test
+* ``pg_url``     (module)   -- ``postgresql+psycopg://...`` for a fresh
+  database ``test_<module>_<rand>`` created for the test module
+* ``sqlite_url`` (function) -- ``sqlite:////<tmp_path>/lease.sqlite3``
+
+Tests that stop, kill or pause a server must not do it to the shared
+session servers; they take their own from ``make_redis_server`` /
+``make_pg_server`` (function-scoped factories, torn down after the test).
+
+Tests marked ``@pytest.mark.slow`` (soak, chaos, benchmarks) are skipped
+unless pytest runs with ``--slow`` (or ``CELERY_LEASE_SLOW=1``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import uuid
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+from tests.servers import (
+    PostgresServer,
+    RabbitMQServer,
+    RedisServer,
+    iter_live_servers,
+)
+
+pytest_plugins = ("pytester",)  # tests/test_servers.py checks the --slow switch
+
+# --------------------------------------------------------------------------
+# options and markers
+# --------------------------------------------------------------------------
+
+MARKERS = {
+    "slow": "soak / chaos / benchmark test; skipped unless --slow is given",
+    "redis": "needs the private Redis server",
+    "postgres": "needs the private PostgreSQL cluster",
+    "rabbitmq": "needs the private RabbitMQ node",
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("celery-lease")
+    group.addoption(
+        "--slow",
+        action="store_true",
+        default=False,
+        help="also run tests marked 'slow' (soak, chaos, benchmarks); same as CELERY_LEASE_SLOW=1",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, doc in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+
+
+def _slow_enabled(config: pytest.Config) -> bool:
+    return bool(config.getoption("--slow")) or os.environ.get("CELERY_LEASE_SLOW", "") not in (
+        "",
+        "0",
+    )
+
+
+#: tests using one of these fixtures get the marker automatically, so that
+#: e.g. ``-m "not rabbitmq"`` deselects everything needing RabbitMQ
+_FIXTURE_MARKERS = {
+    "redis_server": "redis",
+    "redis_url": "redis",
+    "make_redis_server": "redis",
+    "pg_server": "postgres",
+    "pg_url": "postgres",
+    "make_pg_server": "postgres",
+    "rabbitmq_server": "rabbitmq",
+    "amqp_url": "rabbitmq",
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    run_slow = _slow_enabled(config)
+    skip_slow = pytest.mark.skip(reason="slow test: run with --slow (or CELERY_LEASE_SLOW=1)")
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        for marker in sorted({_FIXTURE_MARKERS[f] for f in fixtures if f in _FIXTURE_MARKERS}):
+            if item.get_closest_marker(marker) is None:
+                item.add_marker(marker)
+        if not run_slow and item.get_closest_marker("slow") is not None:
+            item.add_marker(skip_slow)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """On a failed test, list the running test servers and their logs."""
+    report = yield
+    if report.failed:
+        live = [f"{server!r}\n    log: {server.log_path}" for server in iter_live_servers()]
+        if live:
+            report.sections.append(("test servers", "\n".join(live)))
+    return report
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+
+def _missing_binary(exc: FileNotFoundError) -> None:
+    """Fail on CI, skip on a developer machine without the server installed."""
+    message = f"{exc} (scripts/test installs it when run as root)"
+    if os.environ.get("CI"):
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def servers_tmpdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Directory holding data and logs of the session's private servers."""
+    return tmp_path_factory.mktemp("servers")
+
+
+# --------------------------------------------------------------------------
+# Redis
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_server(servers_tmpdir: Path) -> Iterator[RedisServer]:
+    """Private Redis (AOF on, appendfsync always), shared by the session."""
+    try:
+        server = RedisServer(servers_tmpdir, appendonly=True, appendfsync="always")
+    except FileNotFoundError as exc:
+        _missing_binary(exc)
+        raise
+    server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+_redis_db_numbers = itertools.cycle(range(1, RedisServer.databases))
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """URL of a Redis database (1..63, rotating) emptied for this test."""
+    redis_server.ensure_running()
+    db = next(_redis_db_numbers)
+    redis_server.flushdb(db)
+    return redis_server.url(db)
+
+
+@pytest.fixture
+def make_redis_server(
+    tmp_path: Path,
+) -> Iterator[Callable[..., RedisServer]]:
+    """Factory for private Redis servers the test may stop/kill/pause at will.
+
+    ``make_redis_server(appendonly=True, appendfsync="always", **kw)`` returns
+    a *started* server; all are killed after the test.
+    """
+    made: list[RedisServer] = []
+
+    def make(
+        appendonly: bool = True,
+        appendfsync: Literal["always", "everysec", "no"] = "always",
+        **kwargs: Any,
+    ) -> RedisServer:
+        try:
+            server = RedisServer(tmp_path, appendonly=appendonly, appendfsync=appendfsync, **kwargs)
+        except FileNotFoundError as exc:
+            _missing_binary(exc)
+            raise
+        made.append(server)
+        server.start()
+        return server
+
+    yield make
+    for server in made:
+        server.cleanup()
+
+
+# --------------------------------------------------------------------------
+# PostgreSQL
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def pg_server(servers_tmpdir: Path) -> Iterator[PostgresServer]:
+    """Private PostgreSQL cluster shared by the session."""
+    try:
+        server = PostgresServer(servers_tmpdir)
+    except FileNotFoundError as exc:
+        _missing_binary(exc)
+        raise
+    server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+def _database_name(module_name: str) -> str:
+    base = module_name.rsplit(".", 1)[-1].lower()
+    base = re.sub(r"^test_", "", base)
+    base = re.sub(r"[^a-z0-9_]+", "_", base).strip("_") or "module"
+    return f"test_{base[:40]}_{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def pg_url(pg_server: PostgresServer, request: pytest.FixtureRequest) -> Iterator[str]:
+    """SQLAlchemy URL of a fresh database for this test module."""
+    pg_server.ensure_running()
+    name = _database_name(request.module.__name__)
+    url = pg_server.create_database(name)
+    yield url
+    if pg_server.running:
+        try:
+            pg_server.drop_database(name)
+        except Exception as exc:  # noqa: BLE001 - cleanup must not fail the run
+            print(f"could not drop test database {name}: {exc}")
+
+
+@pytest.fixture
+def make_pg_server(tmp_path: Path) -> Iterator[Callable[..., PostgresServer]]:
+    """Factory for private PostgreSQL clusters the test may stop/kill at will.
+
+    ``make_pg_server(**kw)`` returns a *started* cluster; all are killed and
+    removed after the test.
+    """
+    made: list[PostgresServer] = []
+
+    def make(**kwargs: Any) -> PostgresServer:
+        try:
+            server = PostgresServer(tmp_path, **kwargs)
+        except FileNotFoundError as exc:
+            _missing_binary(exc)
+            raise
+        made.append(server)
+        server.start()
+        return server
+
+    yield make
+    for server in made:
+        server.cleanup()
+
+
+# --------------------------------------------------------------------------
+# SQLite
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """SQLAlchemy URL of a SQLite file in the test's own tmp_path."""
+    return f"sqlite:///{tmp_path / 'lease.sqlite3'}"
+
+
+# --------------------------------------------------------------------------
+# RabbitMQ
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_server(servers_tmpdir: Path) -> Iterator[RabbitMQServer]:
+    """Private RabbitMQ node shared by the session (about 6 s to start)."""
+    try:
+        server = RabbitMQServer(servers_tmpdir)
+    except FileNotFoundError as exc:
+        _missing_binary(exc)
+        raise
+    server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def amqp_url(rabbitmq_server: RabbitMQServer) -> str:
+    """``amqp://guest:guest@127.0.0.1:PORT//`` of the private RabbitMQ node."""
+    rabbitmq_server.ensure_running()
+    return rabbitmq_server.url()

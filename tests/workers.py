@@ -1,0 +1,178 @@
+"""Real ``celery worker`` processes for acceptance tests.
+
+Each :class:`Worker` is a ``celery -A tests.apps.leaseapp worker`` subprocess
+in its own process group, configured through ``CL_*`` environment variables
+(see ``tests/apps/leaseapp.py``), with its log kept for assertions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from tests.servers import _signal_group, _spawn, wait_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Worker:
+    def __init__(
+        self,
+        name: str,
+        env: Mapping[str, str],
+        logdir: Path,
+        *,
+        concurrency: int = 1,
+        pool: str = "prefork",
+        app: str = "tests.apps.leaseapp",
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
+        self.name = name
+        self.hostname = f"{name}@localhost"
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+        self.log_path = logdir / f"worker-{name}.log"
+        self.argv = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            app,
+            "worker",
+            "-n",
+            self.hostname,
+            "-c",
+            str(concurrency),
+            "-P",
+            pool,
+            "-l",
+            "INFO",
+            "--without-mingle",
+            "--without-gossip",
+            *extra_args,
+        ]
+        self.proc: Any = None
+        self._log: Any = None
+
+    def start(self, timeout: float = 60.0) -> Worker:
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self._log = open(self.log_path, "ab")
+        self.proc = _spawn(self.argv, log=self._log, env=self.env, cwd=str(ROOT))
+
+        def ready() -> bool:
+            return " ready." in self.log_text(offset)
+
+        def exited() -> str | None:
+            if self.proc.poll() is not None:
+                tail = self.log_text(offset)[-3000:]
+                return f"worker {self.name} exited ({self.proc.returncode}):\n{tail}"
+            return None
+
+        from tests.servers import ServerStartError
+
+        try:
+            wait_for(ready, timeout, f"worker {self.name} ready", abort=exited)
+        except ServerStartError as e:
+            raise AssertionError(str(e)) from None
+        return self
+
+    def run_to_exit(self, timeout: float = 60.0) -> tuple[int, str]:
+        """Start and wait for the worker to exit by itself (bad settings)."""
+        offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self._log = open(self.log_path, "ab")
+        self.proc = _spawn(self.argv, log=self._log, env=self.env, cwd=str(ROOT))
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        return code, self.log_text(offset)
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    def children(self) -> list[int]:
+        found: list[int] = []
+        for task in Path(f"/proc/{self.pid}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                found += [int(p) for p in (task / "children").read_text().split()]
+        return found
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_text(self, offset: int = 0) -> str:
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(offset)
+                return fh.read().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def stop_group(self) -> None:
+        """SIGSTOP the whole process group (main process and children)."""
+        _signal_group(self.pid, signal.SIGSTOP)
+        wait_for(lambda: _state(self.pid) == "T", 10, f"{self.name} stopped")
+
+    def cont_group(self) -> None:
+        _signal_group(self.pid, signal.SIGCONT)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if not self.alive():
+            return
+        _signal_group(self.pid, signal.SIGCONT)
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        _signal_group(self.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+def _state(pid: int) -> str:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "?"
+    return data[data.rfind(")") + 2 :].split()[0]
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@contextlib.contextmanager
+def workers(*ws: Worker) -> Iterator[tuple[Worker, ...]]:
+    try:
+        for w in ws:
+            w.start()
+        yield ws
+    finally:
+        for w in ws:
+            w.kill()
+
+
+def wait_log(path: Path, predicate: Any, timeout: float, what: str) -> list[dict[str, Any]]:
+    return wait_for(
+        lambda: (lambda rows: rows if predicate(rows) else None)(read_log(path)), timeout, what
+    )
+
+
+def now() -> float:
+    return time.time()
