@@ -1,13 +1,16 @@
 """Counters, gauges and histograms (prometheus-client, when installed).
 
-Without the ``prometheus`` extra every metric is a no-op, so the task code
-never checks. Under prefork, set ``PROMETHEUS_MULTIPROC_DIR`` (the worker
-bootstep does it when ``lease_metrics_port`` is set) so children's samples
-are collected by the server in the main process.
+Metrics are created on first use, so a worker's bootstep can set
+``PROMETHEUS_MULTIPROC_DIR`` before prometheus-client is imported (prefork
+children then write their samples where the main process's HTTP server
+collects them). Without the ``prometheus`` extra every metric is a no-op,
+so the code that counts never checks.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -38,27 +41,72 @@ class _Noop:
         return None
 
 
-try:
-    from prometheus_client import Counter, Gauge, Histogram
-except ImportError:  # the prometheus extra is not installed
-    claims: Any = _Noop()
-    renewals: Any = _Noop()
-    leases_lost: Any = _Noop()
-    stale_commits: Any = _Noop()
-    force_releases: Any = _Noop()
-    held_leases: Any = _Noop()
-    claim_latency: Any = _Noop()
-else:
-    claims = Counter("celery_lease_claims", "Lease claims by outcome", ["outcome"])
-    renewals = Counter("celery_lease_renewals", "Lease renewals by outcome", ["outcome"])
-    leases_lost = Counter("celery_lease_leases_lost", "Leases lost while the body ran")
-    stale_commits = Counter("celery_lease_stale_commits", "Commits refused for a stale token")
-    force_releases = Counter("celery_lease_force_releases", "Leases evicted by an operator")
-    held_leases = Gauge(
+class _Lazy:
+    """A metric made on first use (or a no-op without prometheus-client)."""
+
+    def __init__(self, make: Callable[[Any], Any]) -> None:
+        self._make = make
+        self._metric: Any = None
+
+    def _get(self) -> Any:
+        if self._metric is None:
+            try:
+                import prometheus_client
+                from prometheus_client import values
+            except ImportError:
+                self._metric = _Noop()
+            else:
+                if (
+                    os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+                    and values.ValueClass is values.MutexValue
+                ):
+                    # prometheus-client picks its value class when first imported;
+                    # something (Flower's celery command plugin) may have imported
+                    # it before the worker set the multiprocess directory.
+                    values.ValueClass = values.MultiProcessValue()
+                self._metric = self._make(prometheus_client)
+        return self._metric
+
+    def labels(self, *args: Any, **kwargs: Any) -> Any:
+        return self._get().labels(*args, **kwargs)
+
+    def inc(self, amount: float = 1) -> None:
+        self._get().inc(amount)
+
+    def dec(self, amount: float = 1) -> None:
+        self._get().dec(amount)
+
+    def set(self, value: float) -> None:
+        self._get().set(value)
+
+    def observe(self, value: float) -> None:
+        self._get().observe(value)
+
+
+#: Claims by outcome: granted, deferred, rejected, duplicate, redelivery, store_unavailable.
+claims = _Lazy(lambda p: p.Counter("celery_lease_claims", "Lease claims by outcome", ["outcome"]))
+#: Renewals by outcome: renewed, lost, error.
+renewals = _Lazy(
+    lambda p: p.Counter("celery_lease_renewals", "Lease renewals by outcome", ["outcome"])
+)
+leases_lost = _Lazy(
+    lambda p: p.Counter("celery_lease_leases_lost", "Leases lost while the body ran")
+)
+stale_commits = _Lazy(
+    lambda p: p.Counter("celery_lease_stale_commits", "Commits refused for a stale token")
+)
+force_releases = _Lazy(
+    lambda p: p.Counter("celery_lease_force_releases", "Leases evicted by an operator")
+)
+held_leases = _Lazy(
+    lambda p: p.Gauge(
         "celery_lease_held_leases", "Leases held by this process", multiprocess_mode="livesum"
     )
-    claim_latency = Histogram(
+)
+claim_latency = _Lazy(
+    lambda p: p.Histogram(
         "celery_lease_claim_seconds",
         "Claim latency (one store round trip)",
         buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
     )
+)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from celery_lease import metrics
 from celery_lease.exceptions import LeaseConfigError, LeaseLost, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -224,6 +225,7 @@ class Renewer:
     def add(self, held: HeldLease) -> None:
         with self._cond:
             self._leases.add(held)
+            metrics.held_leases.set(len(self._leases))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="celery-lease-renewer", daemon=True
@@ -234,6 +236,7 @@ class Renewer:
     def discard(self, held: HeldLease) -> None:
         with self._cond:
             self._leases.discard(held)
+            metrics.held_leases.set(len(self._leases))
 
     @property
     def leases(self) -> list[HeldLease]:
@@ -244,13 +247,16 @@ class Renewer:
         while True:
             with self._cond:
                 now = time.monotonic()
-                due = [h for h in self._leases if min(h.next_renewal, h.valid_until) <= now]
-                if not due:
-                    wake = min(
-                        (min(h.next_renewal, h.valid_until) for h in self._leases), default=None
-                    )
+                wake = min((_due_at(h) for h in self._leases), default=None)
+                if wake is None or wake > now:
                     self._cond.wait(None if wake is None else max(0.0, wake - now))
                     continue
+                # With the leases that are due, renew every lease at least half-way
+                # to its next renewal: their schedules then coincide from the next
+                # cycle on, so the process sends one round trip per store per
+                # interval however its claims were spread in time (renewing each
+                # lease exactly when due would keep one round trip per lease).
+                due = [h for h in self._leases if _due_at(h) - h.renew_interval / 2 <= now]
             self.renew_due(due)
 
     def renew_due(self, due: list[HeldLease]) -> None:
@@ -271,11 +277,18 @@ class Renewer:
                 logger.warning(
                     "lease renewal failed, will retry: %s", e, extra={"action": "renew_retry"}
                 )
+                metrics.renewals.labels("error").inc(len(group))
                 for h in group:
                     h.renew_failed(sent)
                 continue
             for h, expires in zip(group, answers):
+                metrics.renewals.labels("lost" if expires is None else "renewed").inc()
                 h.renewed(sent, expires)
+
+
+def _due_at(held: HeldLease) -> float:
+    """When ``held`` must be renewed (or declared lost), in monotonic time."""
+    return min(held.next_renewal, held.valid_until)
 
 
 _renewer: Renewer | None = None

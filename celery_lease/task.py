@@ -319,6 +319,10 @@ class _Execution:
                 self.release()  # the retry claims again, with a newer token
                 finished = True
                 raise
+            if not held.held and held.lost_reason is None:
+                # The local view ran out while the body ran (a pause): say so
+                # now, so LEASE_LOST is sent before the commit decides FENCED.
+                held.mark_lost("the lease's local validity ran out while the body ran")
             held.detach()
             if not self.opts.commit:
                 finished = True

@@ -298,3 +298,52 @@ def amqp_url(rabbitmq_server: RabbitMQServer) -> str:
     """``amqp://guest:guest@127.0.0.1:PORT//`` of the private RabbitMQ node."""
     rabbitmq_server.ensure_running()
     return rabbitmq_server.url()
+
+
+# ---------------------------------------------------------------------------
+# the package as a user installs it
+
+
+@pytest.fixture(scope="session")
+def installed_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtualenv with the package installed non-editable (``pip install .``).
+
+    Built once per session from a copy of the source tree, so the wheel's
+    contents (migrations included) are what the tests see, never the checkout.
+    """
+    import shutil
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    base = tmp_path_factory.mktemp("installed")
+    src = base / "src"
+    shutil.copytree(
+        root,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".venv",
+            ".git",
+            "*.egg-info",
+            "__pycache__",
+            ".*_cache",
+            "build",
+            "dist",
+            ".example-data",
+            "tests",
+        ),
+    )
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [
+        str(venv / "bin" / "python"),
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+    ]
+    result = subprocess.run([*pip, f"{src}[postgres]"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    shutil.rmtree(src)  # nothing may be imported from the copy
+    return venv

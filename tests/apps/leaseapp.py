@@ -54,7 +54,12 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
 
         run.__name__ = name
         return app.task(
-            base=LeasedTask, bind=True, name=f"leaseapp.{name}", lease_key="{key}", **options
+            base=LeasedTask,
+            bind=True,
+            shared=False,
+            name=f"leaseapp.{name}",
+            lease_key="{key}",
+            **options,
         )(run)
 
     tasks = SimpleNamespace(
@@ -64,6 +69,27 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
         work_once_return=leased("work_once_return", lease_mode="once", lease_on_duplicate="return"),
         lock_only=leased("lock_only", lease_commit=False),
     )
+
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name="leaseapp.bad_return", lease_key="{key}"
+    )
+    def bad_return(self: Any, key: str, sleep: float = 0.0, tag: str = "") -> Any:
+        """Runs like ``work``, then returns a value JSON cannot store (a set)."""
+        value = _body(self, key, sleep, tag, env("CL_LOG"))
+        return {**value, "ids": {1, 2}}
+
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name="leaseapp.retry_once", lease_key="{key}"
+    )
+    def retry_once(self: Any, key: str, sleep: float = 0.0, tag: str = "") -> Any:
+        """Runs like ``work``; the first execution ends in ``self.retry()``."""
+        value = _body(self, key, sleep, tag, env("CL_LOG"))
+        if self.request.retries == 0:
+            raise self.retry(countdown=0.2, max_retries=1)
+        return value
+
+    tasks.bad_return = bad_return
+    tasks.retry_once = retry_once
     return app, tasks
 
 

@@ -1,0 +1,128 @@
+"""Metrics scraped over HTTP from a running prefork worker (prometheus multiprocess mode)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+import celery_lease
+from celery_lease import LeaseStore
+from tests.apps.leaseapp import build
+from tests.servers import free_port, wait_for
+from tests.workers import Worker, read_log
+
+pytest.importorskip("prometheus_client")
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = samples.get(name, 0.0) + float(value)
+    return samples
+
+
+def metric(samples: dict[str, float], name: str) -> float:
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def test_counters_move_for_grant_deferral_loss_and_fence(
+    redis_server: object, pg_url: str, tmp_path: Path
+) -> None:
+    celery_lease.migrate(pg_url)
+    port = free_port()
+    log = tmp_path / "exec.log"
+    env = {
+        "CL_BROKER": redis_server.url(21),  # type: ignore[attr-defined]
+        "CL_BACKEND": redis_server.url(22),  # type: ignore[attr-defined]
+        "CL_STORE": redis_server.url(23),  # type: ignore[attr-defined]
+        "CL_RESULTS": pg_url,
+        "CL_TTL": "2",
+        "CL_LOG": str(log),
+        "CL_SETTINGS": json.dumps({"lease_metrics_port": port}),
+    }
+    worker = Worker("metrics", env, tmp_path, concurrency=2).start()
+    try:
+        _, tasks = build(env)
+        wait_for(lambda: _up(port), 20, "the metrics endpoint")
+        store = LeaseStore.from_url(env["CL_STORE"])
+
+        # A granted claim.
+        tasks.work.delay(f"m-{uuid.uuid4().hex}", 0.1).get(timeout=30)
+
+        # A deferral: a second submission while the first holds the key.
+        busy = f"m-{uuid.uuid4().hex}"
+        first = tasks.work.delay(busy, 2.0)
+        wait_for(lambda: _started(log, first.id), 30, "the first body to start")
+        second = tasks.work.delay(busy, 0.1)
+        first.get(timeout=30)
+        second.get(timeout=30)
+
+        # A lost lease and a fenced commit: stop the child running T4 past its TTL,
+        # let T5 (same key) commit on the other child, then resume T4.
+        key = f"m-{uuid.uuid4().hex}"
+        t4 = tasks.work.delay(key, 3.0)
+        start = wait_for(lambda: _started(log, t4.id), 30, "T4 to start")
+        child = int(start["pid"])
+        assert child in worker.children()
+        os.kill(child, signal.SIGSTOP)
+        try:
+            wait_for(lambda: _proc_state(child) == "T", 10, "T4's child to stop")
+            token = int(start["token"])
+            wait_for(
+                lambda: (lambda r: r is None or not r.live or r.token != token)(store.inspect(key)),
+                30,
+                "T4's lease to lapse",
+            )
+            t5 = tasks.work.delay(key, 0.1)
+            assert t5.get(timeout=30)["token"] > token
+        finally:
+            os.kill(child, signal.SIGCONT)
+        with pytest.raises(celery_lease.StaleFencingToken):
+            t4.get(timeout=30)
+
+        samples = wait_for(
+            lambda: (lambda s: s if metric(s, "celery_lease_stale_commits_total") >= 1 else None)(
+                scrape(port)
+            ),
+            20,
+            "the fenced commit to be counted",
+        )
+        print({k: v for k, v in samples.items() if k.startswith("celery_lease")})
+        assert samples['celery_lease_claims_total{outcome="granted"}'] >= 4
+        assert samples['celery_lease_claims_total{outcome="deferred"}'] >= 1
+        assert metric(samples, "celery_lease_leases_lost_total") >= 1
+        assert metric(samples, "celery_lease_stale_commits_total") >= 1
+        assert metric(samples, "celery_lease_renewals_total") >= 1
+        assert metric(samples, "celery_lease_claim_seconds_count") >= 4
+    finally:
+        worker.kill()
+
+
+def _up(port: int) -> bool:
+    try:
+        scrape(port)
+    except OSError:
+        return False
+    return True
+
+
+def _started(log: Path, task_id: str) -> dict[str, object] | None:
+    for row in read_log(log):
+        if row["event"] == "start" and row["task_id"] == task_id:
+            return row
+    return None
+
+
+def _proc_state(pid: int) -> str:
+    data = Path(f"/proc/{pid}/stat").read_text()
+    return data[data.rfind(")") + 2 :].split()[0]
