@@ -1,7 +1,10 @@
 """Celery signal handlers and the worker bootstep, installed once per app.
 
 - worker start (bootstep, main process): validate every ``lease_*`` setting,
-  so a wrong one stops the worker with a message naming it;
+  and every leased task's options against them (a task's own
+  ``lease_renew_interval`` against the app's ``lease_ttl``, the app's
+  ``lease_clock_drift`` against a task's own ``lease_ttl``), so a wrong one
+  stops the worker with a message naming it;
 - ``worker_process_init`` (each prefork child): drop stores inherited from the
   parent (connection pools are also reset by ``os.register_at_fork`` hooks);
 - ``worker_process_shutdown`` (a child's warm exit): release the leases it holds;
@@ -14,12 +17,15 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
 from celery.signals import task_revoked, worker_process_init, worker_process_shutdown
 
-from celery_lease.exceptions import StoreUnavailable
+from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
+
+if TYPE_CHECKING:
+    from celery_lease.config import Config
 
 __all__ = ["LeaseBootstep", "install"]
 
@@ -35,6 +41,7 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
         from celery_lease.config import config
 
         cfg = config(worker.app)
+        check_tasks(worker.app, cfg)
         if cfg.metrics_port is not None:
             from celery_lease import metrics_server
 
@@ -49,6 +56,32 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             from celery_lease import metrics_server
 
             metrics_server.start(cfg.metrics_port)
+
+
+def check_tasks(app: Any, cfg: Config) -> None:
+    """Check each leased task's effective options, its own merged with the app's.
+
+    Registration checks a task's options alone; only here are the app's
+    settings known too. Without this, a mismatch surfaced in every execution,
+    after the claim (or as renewals too rare to survive one failure).
+    """
+    from celery_lease.config import check_renew_interval
+    from celery_lease.task import LeasedTask
+
+    for name in sorted(app.tasks):
+        task = app.tasks[name]
+        if not isinstance(task, LeasedTask):
+            continue
+        opts = task._options(cfg)
+        if opts.renew_interval is not None:
+            check_renew_interval(
+                opts.renew_interval, opts.ttl, f"task {name!r}: lease_renew_interval"
+            )
+        if cfg.clock_drift is not None and not cfg.clock_drift < opts.ttl:
+            raise LeaseConfigError(
+                f"task {name!r}: lease_clock_drift ({cfg.clock_drift}) must be below the "
+                f"task's lease_ttl ({opts.ttl})"
+            )
 
 
 def install(app: Any) -> None:

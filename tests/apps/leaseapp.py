@@ -105,24 +105,6 @@ def record(path: str | None, event: str, **fields: Any) -> None:
         os.close(fd)
 
 
-def _body(task: Any, key: str, sleep: float, tag: str) -> dict[str, Any]:
-    lease = task.lease
-    record(
-        "start",
-        task_id=task.request.id,
-        key=key,
-        token=lease.token,
-        tag=tag,
-        hostname=task.request.hostname,
-        redelivered=bool((task.request.delivery_info or {}).get("redelivered")),
-    )
-    deadline = time.monotonic() + sleep
-    while time.monotonic() < deadline:
-        time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-    record("end", task_id=task.request.id, key=key, token=lease.token, tag=tag, held=lease.held)
-    return {"key": key, "token": lease.token, "tag": tag, "pid": os.getpid()}
-
-
 def _body(task: Any, key: str, sleep: float, tag: str, log: str | None) -> dict[str, Any]:
     lease = task.lease
     record(

@@ -1,0 +1,468 @@
+"""Bad ``lease_*`` settings, task options and key templates fail early, naming the fault.
+
+Two levels:
+
+* real ``celery worker`` processes (``tests/workers.py``) started with a bad
+  setting exit non-zero at start, and their log names the setting, the
+  value and what is accepted; a typo only warns, naming the right setting;
+  a task whose ``lease_key`` names an argument it does not have stops the
+  worker while the task is registered (``tests/apps/badapp.py``);
+* in-process: every error message of ``Config.from_app``, of the task
+  options checked at registration and of ``KeySpec`` (plain Celery app
+  objects, nothing executed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_lease import LeaseConfigError
+from celery_lease.config import DEFAULT_SQLITE_URL, Config
+from celery_lease.keys import KeySpec, scoped
+from celery_lease.task import LeasedTask
+from tests.servers import RedisServer
+from tests.workers import Worker
+
+pytestmark = pytest.mark.timeout(90)
+
+
+# --------------------------------------------------------------------------
+# real workers
+# --------------------------------------------------------------------------
+
+
+def _env(redis_server: RedisServer, tmp_path: Path, settings: dict[str, Any]) -> dict[str, str]:
+    return {
+        "CL_BROKER": redis_server.url(0),
+        "CL_BACKEND": redis_server.url(0),
+        "CL_STORE": f"sqlite:///{tmp_path / 'lease.sqlite3'}",
+        "CL_RESULTS": f"sqlite:///{tmp_path / 'lease.sqlite3'}",
+        "CL_SETTINGS": json.dumps(settings),
+    }
+
+
+#: setting -> what the worker's log must say (the setting, the value, what is accepted)
+BAD_SETTINGS: list[tuple[dict[str, Any], list[str]]] = [
+    ({"lease_ttl": -1}, ["lease_ttl must be greater than 0", "-1"]),
+    ({"lease_ttl": "thirty"}, ["lease_ttl must be a number of seconds", "'thirty'"]),
+    ({"lease_mode": "sometimes"}, ["lease_mode must be one of exclusive, once", "'sometimes'"]),
+    (
+        {"lease_on_conflict": "queue"},
+        ["lease_on_conflict must be one of defer, reject, wait", "'queue'"],
+    ),
+    (
+        {"lease_on_duplicate": "ignore"},
+        ["lease_on_duplicate must be one of reject, return", "'ignore'"],
+    ),
+    (
+        {"lease_store_url": "mongodb://x"},
+        ["lease_store_url", "unknown URL scheme 'mongodb'", "redis", "sqlite", "postgresql"],
+    ),
+    (
+        {"lease_result_url": "redis://127.0.0.1:1/0"},
+        ["lease_result_url must be a SQL database", "postgresql+psycopg://", "sqlite:///"],
+    ),
+    (
+        {"lease_renew_interval": 100},
+        ["lease_renew_interval (100", "at most half the TTL (3.0)"],
+    ),
+    ({"lease_clock_drift": 99}, ["lease_clock_drift must be >= 0 and below lease_ttl (3.0)", "99"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"), BAD_SETTINGS, ids=[json.dumps(s) for s, _ in BAD_SETTINGS]
+)
+def test_worker_refuses_to_start_with_a_bad_setting(
+    settings: dict[str, Any], expected: list[str], redis_server: RedisServer, tmp_path: Path
+) -> None:
+    worker = Worker("bad", _env(redis_server, tmp_path, settings), tmp_path)
+    code, log = worker.run_to_exit(timeout=60)
+    assert code != 0, f"the worker accepted {settings} and exited {code}:\n{log[-3000:]}"
+    assert " ready." not in log, f"the worker started with {settings}:\n{log[-3000:]}"
+    assert "LeaseConfigError" in log, log[-3000:]
+    for text in expected:
+        assert text in log, f"{text!r} not in the log of a worker with {settings}:\n{log[-3000:]}"
+
+
+def test_worker_warns_about_a_typo_naming_the_setting(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    worker = Worker("typo", _env(redis_server, tmp_path, {"lease_tll": 5}), tmp_path)
+    try:
+        worker.start(timeout=60)  # a typo is a warning, not a refusal
+        log = worker.log_text()
+    finally:
+        worker.kill()
+    assert "unknown celery-lease setting 'lease_tll'; did you mean 'lease_ttl'?" in log, log[-3000:]
+    assert "WARNING" in log
+
+
+def test_worker_refuses_a_key_template_naming_a_missing_argument(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    worker = Worker("badkey", _env(redis_server, tmp_path, {}), tmp_path, app="tests.apps.badapp")
+    code, log = worker.run_to_exit(timeout=60)
+    assert code != 0, log[-3000:]
+    assert " ready." not in log, log[-3000:]
+    # Refused while the task is registered (bound to the app), not at its first call.
+    assert "on_bound" in log, log[-3000:]
+    assert (
+        "LeaseConfigError: task 'badapp.suite': lease_key template names argument 'api', "
+        "which the task does not have (its arguments: api_id)"
+    ) in log, log[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("bad", "expected"),
+    [
+        (
+            "renew",
+            "LeaseConfigError: task 'badapp.suite': lease_renew_interval (20) must be at most "
+            "half the TTL (30.0)",
+        ),
+        (
+            "drift",
+            "LeaseConfigError: task 'badapp.suite': lease_clock_drift (2.0) must be below "
+            "the task's lease_ttl (2.0)",
+        ),
+    ],
+)
+def test_worker_refuses_task_options_that_do_not_fit_the_app_settings(
+    bad: str, expected: str, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Each setting is fine alone; only the task's options and the app's together are wrong.
+
+    Without the check at start, the worker ran and every execution of the task
+    failed after claiming its lease (or renewed too rarely), so it must fail here.
+    """
+    env = {**_env(redis_server, tmp_path, {}), "CL_BAD": bad}
+    worker = Worker(f"bad{bad}", env, tmp_path, app="tests.apps.badapp")
+    try:
+        code, log = worker.run_to_exit(timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the worker started with a bad task ({bad}):\n{worker.log_text()[-3000:]}")
+    assert code != 0, log[-3000:]
+    assert " ready." not in log, log[-3000:]
+    assert expected in log, log[-3000:]
+
+
+# --------------------------------------------------------------------------
+# Config.from_app, in process
+# --------------------------------------------------------------------------
+
+
+def _app(**settings: Any) -> Celery:
+    app = Celery("settings-test", set_as_current=False)
+    app.conf.update(settings)
+    return app
+
+
+def test_defaults() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # lease_result_url unset: a logged warning only
+        cfg = Config.from_app(_app())
+    assert cfg.store_url == DEFAULT_SQLITE_URL
+    assert cfg.result_url == DEFAULT_SQLITE_URL
+    assert cfg.ttl == 30.0
+    assert cfg.renew_interval is None  # TTL / 3 per lease
+    assert (cfg.mode, cfg.on_conflict, cfg.on_duplicate) == ("exclusive", "defer", "reject")
+    assert cfg.key_prefix == "celery-lease"
+    assert cfg.send_events is True
+    assert cfg.clock_drift is None
+
+
+def test_sql_store_is_the_default_result_database() -> None:
+    cfg = Config.from_app(_app(lease_store_url="postgresql+psycopg://db/proj"))
+    assert cfg.result_url == "postgresql+psycopg://db/proj"
+
+
+def test_good_settings_are_read() -> None:
+    cfg = Config.from_app(
+        _app(
+            lease_store_url="redis://127.0.0.1:6379/1",
+            lease_result_url="sqlite:///x.sqlite3",
+            lease_ttl=12,
+            lease_renew_interval=4,
+            lease_mode="once",
+            lease_on_conflict="wait",
+            lease_on_duplicate="return",
+            lease_clock_drift=0.5,
+            lease_result_expires=datetime.timedelta(days=2),
+            lease_metrics_port=9108,
+        )
+    )
+    assert (cfg.ttl, cfg.renew_interval, cfg.clock_drift) == (12.0, 4.0, 0.5)
+    assert (cfg.mode, cfg.on_conflict, cfg.on_duplicate) == ("once", "wait", "return")
+    assert cfg.result_expires == 2 * 86400
+    assert cfg.metrics_port == 9108
+
+
+CONFIG_ERRORS: list[tuple[dict[str, Any], str]] = [
+    ({"lease_ttl": -1}, r"lease_ttl must be greater than 0, got -1"),
+    ({"lease_ttl": 0}, r"lease_ttl must be greater than 0, got 0"),
+    ({"lease_ttl": "30"}, r"lease_ttl must be a number of seconds, got '30'"),
+    ({"lease_ttl": True}, r"lease_ttl must be a number of seconds, got True"),
+    ({"lease_mode": "sometimes"}, r"lease_mode must be one of exclusive, once; got 'sometimes'"),
+    (
+        {"lease_on_conflict": "queue"},
+        r"lease_on_conflict must be one of defer, reject, wait; got 'queue'",
+    ),
+    (
+        {"lease_on_duplicate": "ignore"},
+        r"lease_on_duplicate must be one of reject, return; got 'ignore'",
+    ),
+    (
+        {"lease_store_url": "mongodb://x"},
+        r"lease_store_url: unknown URL scheme 'mongodb' in 'mongodb://x'; known: redis, rediss, "
+        r"unix, sqlite, postgresql",
+    ),
+    (
+        {"lease_store_url": "localhost:6379"},
+        r"lease_store_url must be a URL such as redis://host:6379/1, postgresql\+psycopg://host/db "
+        r"or sqlite:///path; got 'localhost:6379'",
+    ),
+    (
+        {"lease_result_url": "redis://127.0.0.1/1"},
+        r"lease_result_url must be a SQL database \(postgresql\+psycopg://\.\.\. or "
+        r"sqlite:///\.\.\.\), got 'redis://127.0.0.1/1'",
+    ),
+    (
+        {"lease_ttl": 3, "lease_renew_interval": 100},
+        r"lease_renew_interval \(100.0\) must be at most half the TTL \(3.0\)",
+    ),
+    (
+        {"lease_ttl": 3, "lease_renew_interval": 1.6},
+        r"lease_renew_interval \(1.6\) must be at most half the TTL \(3.0\)",
+    ),
+    ({"lease_renew_interval": 0}, r"lease_renew_interval must be greater than 0, got 0"),
+    (
+        {"lease_ttl": 3, "lease_clock_drift": 99},
+        r"lease_clock_drift must be >= 0 and below lease_ttl \(3.0\), got 99",
+    ),
+    ({"lease_clock_drift": -1}, r"lease_clock_drift must not be negative, got -1"),
+    ({"lease_send_events": "yes"}, r"lease_send_events must be True or False, got 'yes'"),
+    ({"lease_key_prefix": ""}, r"lease_key_prefix must be a non-empty string, got ''"),
+    ({"lease_result_expires": -5}, r"lease_result_expires must be greater than 0, got -5"),
+    ({"lease_metrics_port": 70000}, r"lease_metrics_port must be a TCP port number, got 70000"),
+    ({"lease_store_options": "ssl"}, r"lease_store_options must be a dict of client options"),
+    ({"lease_defer_max": 0}, r"lease_defer_max must be greater than 0, got 0"),
+    ({"lease_wait_timeout": -1}, r"lease_wait_timeout must be greater than 0, got -1"),
+]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"), CONFIG_ERRORS, ids=[json.dumps(s) for s, _ in CONFIG_ERRORS]
+)
+def test_config_error_names_the_setting(settings: dict[str, Any], message: str) -> None:
+    base = {"lease_store_url": "sqlite:///x.sqlite3"}
+    with pytest.raises(LeaseConfigError, match=message):
+        Config.from_app(_app(**{**base, **settings}))
+
+
+@pytest.mark.parametrize(
+    ("typo", "right"),
+    [
+        ("lease_tll", "lease_ttl"),
+        ("lease_on_conflicts", "lease_on_conflict"),
+        ("LEASE_TTL", "lease_ttl"),
+    ],
+)
+def test_typo_warns_naming_the_right_setting(typo: str, right: str) -> None:
+    app = _app(lease_store_url="sqlite:///x.sqlite3", **{typo: 5})
+    with pytest.warns(
+        UserWarning, match=rf"unknown celery-lease setting '{typo}'; did you mean '{right}'\?"
+    ):
+        cfg = Config.from_app(app)
+    assert cfg.ttl == 30.0  # the typo did not take effect
+
+
+def test_unrelated_unknown_lease_setting_warns_without_a_guess() -> None:
+    with pytest.warns(UserWarning, match=r"unknown celery-lease setting 'lease_zzzzzz'$"):
+        Config.from_app(_app(lease_store_url="sqlite:///x.sqlite3", lease_zzzzzz=1))
+
+
+# --------------------------------------------------------------------------
+# task options, checked when the task is registered
+# --------------------------------------------------------------------------
+
+
+def _register(**options: Any) -> Any:
+    app = _app(lease_store_url="sqlite:///x.sqlite3")
+
+    # shared=False: a shared task would be registered again in every later app
+    @app.task(base=LeasedTask, bind=True, name="proj.suite", shared=False, **options)
+    def suite(self: Any, api_id: int, region: str = "eu") -> int:
+        return api_id
+
+    app.finalize(auto=True)
+    return app.tasks["proj.suite"]
+
+
+TASK_OPTION_ERRORS: list[tuple[dict[str, Any], str]] = [
+    (
+        {"lease_key": "payment-security-{api}"},
+        r"task 'proj.suite': lease_key template names argument 'api', which the task does not "
+        r"have \(its arguments: api_id, region\)",
+    ),
+    (
+        {"lease_mode": "sometimes"},
+        r"task 'proj.suite': lease_mode must be one of exclusive, once; got 'sometimes'",
+    ),
+    (
+        {"lease_on_conflict": "queue"},
+        r"task 'proj.suite': lease_on_conflict must be one of defer, reject, wait; got 'queue'",
+    ),
+    (
+        {"lease_on_duplicate": "drop"},
+        r"task 'proj.suite': lease_on_duplicate must be one of reject, return; got 'drop'",
+    ),
+    (
+        {"lease_ttl": -1},
+        r"task 'proj.suite': lease_ttl must be a positive number of seconds, got -1",
+    ),
+    (
+        {"lease_ttl": 3, "lease_renew_interval": 2},
+        r"task 'proj.suite': lease_renew_interval \(2\) must be at most half the TTL \(3\)",
+    ),
+    (
+        {"lease_tenant": "tenant-{customer}"},
+        r"task 'proj.suite': lease_key template names argument 'customer'",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"), TASK_OPTION_ERRORS, ids=[json.dumps(o) for o, _ in TASK_OPTION_ERRORS]
+)
+def test_task_option_error_at_registration(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(LeaseConfigError, match=message):
+        _register(**options)
+
+
+@pytest.mark.parametrize(
+    ("settings", "options", "message"),
+    [
+        (
+            {"lease_ttl": 30},
+            {"lease_renew_interval": 20},
+            r"task 'proj.suite': lease_renew_interval \(20\) must be at most half the TTL "
+            r"\(30.0\)",
+        ),
+        (
+            {"lease_ttl": 30, "lease_clock_drift": 2.0},
+            {"lease_ttl": 2},
+            r"task 'proj.suite': lease_clock_drift \(2.0\) must be below the task's "
+            r"lease_ttl \(2.0\)",
+        ),
+    ],
+)
+def test_task_options_checked_against_the_app_settings_at_worker_start(
+    settings: dict[str, Any], options: dict[str, Any], message: str
+) -> None:
+    from celery_lease.signals import check_tasks
+
+    task = _register(**options)
+    task.app.conf.update(settings)
+    with pytest.raises(LeaseConfigError, match=message):
+        check_tasks(task.app, Config.from_app(task.app))
+    # The same options fit other settings.
+    task.app.conf.update(lease_ttl=100, lease_clock_drift=None)
+    check_tasks(task.app, Config.from_app(task.app))
+
+
+def test_good_task_options_register() -> None:
+    task = _register(lease_key="payment-security-{api_id}-{region}", lease_ttl=30)
+    assert task.lease_keys_for((42,), {}) == ["payment-security-42-eu"]
+    assert task.lease_keys_for((), {"api_id": 42, "region": "us"}) == ["payment-security-42-us"]
+
+
+def test_publishing_a_call_that_does_not_fit_the_template_fails_before_sending() -> None:
+    task = _register(lease_key="payment-security-{api_id}")
+    # No broker is configured: the error comes from the key, before any publish.
+    with pytest.raises(LeaseConfigError, match=r"task 'proj.suite': cannot derive its lease key"):
+        task.apply_async(args=(1, "eu", "extra"))
+
+
+# --------------------------------------------------------------------------
+# KeySpec
+# --------------------------------------------------------------------------
+
+
+def _f(self: Any, api_id: int, region: str = "eu") -> None: ...
+
+
+def _g(self: Any, **kwargs: Any) -> None: ...
+
+
+KEYSPEC_ERRORS: list[tuple[Any, str]] = [
+    (
+        "payment-security-{api}",
+        r"task 't': lease_key template names argument 'api', which the task does not have "
+        r"\(its arguments: api_id, region\)",
+    ),
+    ("payment-security-{0}", r"task 't': lease_key 'payment-security-\{0\}' must name arguments"),
+    ("payment-security-{}", r"task 't': lease_key 'payment-security-\{\}' must name arguments"),
+    (
+        "payment-security-{api_id",
+        r"task 't': lease_key 'payment-security-\{api_id' is not a valid format string",
+    ),
+    (42, r"task 't': lease_key must be a format string or a callable, got 42"),
+]
+
+
+@pytest.mark.parametrize(
+    ("template", "message"), KEYSPEC_ERRORS, ids=[repr(t) for t, _ in KEYSPEC_ERRORS]
+)
+def test_keyspec_rejects_a_bad_template(template: Any, message: str) -> None:
+    with pytest.raises(LeaseConfigError, match=message):
+        KeySpec("t", _f, template, bound=True)
+
+
+def test_keyspec_call_errors_name_the_task() -> None:
+    spec = KeySpec("t", _f, "payment-security-{api_id}", bound=True)
+    assert spec.keys((42,), {}) == ["payment-security-42"]
+    with pytest.raises(LeaseConfigError, match=r"task 't': cannot derive its lease key.*signature"):
+        spec.keys((1, "eu", "extra"), {})
+    with pytest.raises(LeaseConfigError, match=r"task 't': cannot derive its lease key"):
+        spec.keys((), {"nope": 1})
+
+    loose = KeySpec("t", _g, "payment-security-{api_id}", bound=True)  # **kwargs: checked per call
+    assert loose.keys((), {"api_id": 7}) == ["payment-security-7"]
+    with pytest.raises(
+        LeaseConfigError,
+        match=r"task 't': lease_key 'payment-security-\{api_id\}' names argument 'api_id', "
+        r"which this call did not pass",
+    ):
+        loose.keys((), {"other": 1})
+
+    attr = KeySpec("t", _f, "payment-security-{api_id.missing}", bound=True)
+    with pytest.raises(LeaseConfigError, match=r"cannot be formatted from this call's arguments"):
+        attr.keys((42,), {})
+
+
+def test_keyspec_callable_and_default_key_errors() -> None:
+    empty = KeySpec("t", _f, lambda api_id, region="eu": "", bound=True)
+    with pytest.raises(LeaseConfigError, match=r"task 't': lease_key produced \[''\]; keys are"):
+        empty.keys((1,), {})
+    default = KeySpec("t", _f, None, bound=True)
+    assert default.keys((1,), {}) == default.keys((), {"api_id": 1, "region": "eu"})
+    with pytest.raises(
+        LeaseConfigError, match=r"task 't': the default lease key hashes the arguments as JSON"
+    ):
+        default.keys((object(),), {})
+
+
+def test_reserved_tenant_prefix() -> None:
+    with pytest.raises(LeaseConfigError, match=r"keys starting with 't/' are reserved"):
+        scoped("t/x", None)
+    with pytest.raises(LeaseConfigError, match=r"a tenant is a non-empty string, got ''"):
+        scoped("k", "")
