@@ -200,6 +200,8 @@ def test_flower_shows_fenced_deferred_and_rejected(
         assert a.log_text().count(f"Task leaseapp.work[{first.id}] succeeded") == 0
         a.cont_group()
         flower.wait_state(first.id, "FENCED", 30, "the paused owner's refused commit")
+        if os.environ.get("CL_FLOWER_SCREENSHOT"):  # docs/flower-states.png
+            screenshot(flower, os.environ["CL_FLOWER_SCREENSHOT"], tmp_path)
         assert first.id in flower.tasks_in("FENCED")
         assert second.id not in flower.tasks_in("FENCED")
         flower.wait_state(second.id, "SUCCESS", 20, "the new owner")
@@ -253,3 +255,19 @@ def test_flower_shows_fenced_deferred_and_rejected(
         a.kill()
         b.kill()
         app.close()
+
+
+def screenshot(flower: Flower, path: str, tmp_path: Path) -> None:
+    """Flower's task list in headless Chromium (Debian's ``chromium``), for the README."""
+    subprocess.run(
+        [
+            "chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+            "--no-first-run", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", f"--user-data-dir={tmp_path / 'chromium'}",
+            "--window-size=1500,620", "--virtual-time-budget=8000", f"--screenshot={path}",
+            f"{flower.base}/tasks",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )  # fmt: skip
