@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from celery_lease.exceptions import LeaseConfigError
 
@@ -158,6 +161,15 @@ class Config:
             raise LeaseConfigError(
                 f"lease_store_options must be a dict of client options, got {options!r}"
             )
+        key_prefix = _string("lease_key_prefix", get("lease_key_prefix"))
+        if "{" in key_prefix or "}" in key_prefix:
+            # Braces would move the Redis Cluster hash tag off the lease key, so a
+            # key's lease and fence counter could land in different slots.
+            raise LeaseConfigError(
+                f"lease_key_prefix must not contain '{{' or '}}' (Redis Cluster hash tags), "
+                f"got {key_prefix!r}"
+            )
+        _check_store_options(store_url, options, key_prefix)
         transport = conf.get("broker_transport_options") or {}
         vt = transport.get("visibility_timeout")
         broker = str(conf.get("broker_url") or "")
@@ -173,14 +185,12 @@ class Config:
             on_duplicate=choice(
                 "lease_on_duplicate", get("lease_on_duplicate"), DUPLICATE_POLICIES
             ),
-            key_prefix=_string("lease_key_prefix", get("lease_key_prefix")),
+            key_prefix=key_prefix,
             send_events=_bool("lease_send_events", get("lease_send_events")),
             clock_drift=drift,
             result_expires=expires,
-            result_max_bytes=int(
-                _number("lease_result_max_bytes", get("lease_result_max_bytes"), positive=True)
-            ),
-            defer_max=int(_number("lease_defer_max", get("lease_defer_max"), positive=True)),
+            result_max_bytes=_count("lease_result_max_bytes", get("lease_result_max_bytes")),
+            defer_max=_count("lease_defer_max", get("lease_defer_max")),
             wait_timeout=_number("lease_wait_timeout", get("lease_wait_timeout"), positive=True),
             store_retry=_number("lease_store_retry", get("lease_store_retry")),
             metrics_port=port,
@@ -215,11 +225,21 @@ def choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
 def _number(name: str, value: Any, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise LeaseConfigError(f"{name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value):
+        raise LeaseConfigError(f"{name} must be a finite number, got {value!r}")
     if positive and not value > 0:
         raise LeaseConfigError(f"{name} must be greater than 0, got {value!r}")
     if not positive and value < 0:
         raise LeaseConfigError(f"{name} must not be negative, got {value!r}")
     return float(value)
+
+
+def _count(name: str, value: Any) -> int:
+    """A whole number >= 1 (a float like 0.5 must not become 0, which means "off")."""
+    number = _number(name, value, positive=True)
+    if number != int(number):
+        raise LeaseConfigError(f"{name} must be a whole number (1, 2, ...), got {value!r}")
+    return int(number)
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -240,6 +260,8 @@ def _url(name: str, value: Any) -> str:
             f"{name} must be a URL such as redis://host:6379/1, "
             f"postgresql+psycopg://host/db or sqlite:///path; got {value!r}"
         )
+    from celery_lease.stores.base import redact_url
+
     scheme = value.split("://", 1)[0].lower()
     known = ("redis", "rediss", "unix", "sqlite", "postgresql", "postgres", "postgresql+psycopg")
     if scheme not in known:
@@ -247,9 +269,83 @@ def _url(name: str, value: Any) -> str:
 
         if scheme not in {ep.name for ep in entry_points(group="celery_lease.stores")}:
             raise LeaseConfigError(
-                f"{name}: unknown URL scheme {scheme!r} in {value!r}; known: {', '.join(known)}"
+                f"{name}: unknown URL scheme {scheme!r} in {redact_url(value)!r}; "
+                f"known: {', '.join(known)}"
             )
+        return value
+    _parse_url(name, value, scheme)
     return value
+
+
+def _parse_url(name: str, value: str, scheme: str) -> None:
+    """Parse ``value`` as its client will, so a malformed URL fails at start, naming ``name``."""
+    from celery_lease.stores.base import redact_url
+
+    shown = redact_url(value)
+    if scheme in ("redis", "rediss", "unix"):
+        from redis.connection import parse_url
+
+        try:
+            parsed = parse_url(value)  # type: ignore[no-untyped-call]
+        except ValueError as e:
+            raise LeaseConfigError(f"{name}: cannot parse {shown}: {e}") from e
+        if scheme == "unix":
+            if not parsed.get("path"):
+                raise LeaseConfigError(f"{name}: {shown} names no socket path (unix:///path)")
+            return
+        path = urlsplit(value).path.strip("/")
+        if path and not path.isdigit():
+            raise LeaseConfigError(
+                f"{name}: the path of {shown} must be a Redis database number "
+                f"(redis://host:6379/1), got {path!r}"
+            )
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        url = make_url(value)
+        port = url.port
+    except (ArgumentError, ValueError) as e:
+        raise LeaseConfigError(f"{name}: cannot parse {shown}: {e}") from e
+    if port is not None and not 0 < port < 65536:
+        raise LeaseConfigError(f"{name}: port {port} of {shown} is not a TCP port (1-65535)")
+    if scheme.startswith("sqlite") and (url.database or "") in ("", ":memory:"):
+        raise LeaseConfigError(
+            f"{name}: {shown} names no file; an SQLite store needs a file shared by all "
+            "processes: sqlite:///path"
+        )
+    if scheme.startswith("postgres") and not url.database:
+        raise LeaseConfigError(
+            f"{name}: {shown} names no database (postgresql+psycopg://host/dbname)"
+        )
+
+
+def _check_store_options(store_url: str, options: dict[str, Any], key_prefix: str) -> None:
+    """``lease_store_options`` are the Redis client's keyword arguments; check them now."""
+    if not options:
+        return
+    bad = [k for k in options if not isinstance(k, str)]
+    if bad:
+        raise LeaseConfigError(f"lease_store_options keys must be strings, got {bad!r}")
+    scheme = store_url.split("://", 1)[0].lower()
+    if scheme not in ("redis", "rediss", "unix"):
+        if _is_sql(store_url):
+            raise LeaseConfigError(
+                "lease_store_options applies to Redis lease stores only; for PostgreSQL put "
+                "connection options in lease_store_url's query (?sslmode=verify-full&"
+                f"sslrootcert=/path/ca.crt), got {sorted(options)}"
+            )
+        return  # a third-party store: its own options
+    if "key_prefix" in options:
+        raise LeaseConfigError("set lease_key_prefix, not lease_store_options['key_prefix']")
+    for option in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path"):
+        path = options.get(option)
+        if path is not None and not (isinstance(path, str) and os.path.exists(path)):
+            raise LeaseConfigError(f"lease_store_options[{option!r}]: no such file {path!r}")
+    from celery_lease.stores.base import LeaseStore
+
+    LeaseStore.from_url(store_url, key_prefix=key_prefix, **options).close()
 
 
 def _is_sql(url: str) -> bool:

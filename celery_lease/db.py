@@ -306,6 +306,11 @@ def translate_error(e: exc.DBAPIError, url: str) -> LeaseError:
             f"celery-lease tables are missing in {redact_url(url)}: run "
             f"`celery -A proj lease migrate` (or celery_lease.migrate(url)) first ({text.strip()})"
         )
+    sqlstate = str(getattr(e.orig, "sqlstate", None) or "")
+    if sqlstate[:2] in ("22", "54") and not e.connection_invalidated:
+        # Data exception / program limit exceeded (a value too large for an
+        # index row): the input is wrong, retrying would never help.
+        return LeaseError(f"database {redact_url(url)} refused the value: {text.strip()}")
     if isinstance(e, (exc.OperationalError, exc.InterfaceError)) or e.connection_invalidated:
         return StoreUnavailable(f"database {redact_url(url)} unavailable: {text.strip()}")
     if "deadlock detected" in lowered or "could not serialize" in lowered:
@@ -410,7 +415,10 @@ def downgrade(url: str, revision: str = "base") -> None:
     with db.errors(), db.engine.connect() as conn:
         cfg.attributes["connection"] = conn
         command.downgrade(cfg, revision)
+        if revision == "base":  # leave nothing behind, Alembic's version table included
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {VERSION_TABLE}")
         conn.commit()
+    db._migrated = False  # the embedded SQLite default migrates again on next use
 
 
 def check(url: str) -> None:
@@ -506,25 +514,10 @@ RETURNING fencing_token
 """
 GUARD_CURRENT = "SELECT fencing_token FROM celery_lease_fences WHERE resource = :resource"
 
-#: Before the body: register the token (leases elsewhere) and look up, in one
-#: round trip, whether this task id already has an accepted result (a late
-#: redelivery) and, in once mode, whether the key has one (a duplicate).
-PG_PREPARE = f"""
-WITH reg AS (
-    INSERT INTO celery_lease_fences AS fe (resource, fencing_token, updated_at)
-    SELECT :key, :token, {NOW["postgresql"]} WHERE :register
-    ON CONFLICT (resource) DO UPDATE SET
-        fencing_token = excluded.fencing_token, updated_at = excluded.updated_at
-    WHERE fe.fencing_token <= excluded.fencing_token
-    RETURNING fencing_token
-)
-SELECT (SELECT count(*) FROM reg) AS registered,
-       (SELECT fencing_token FROM celery_lease_results WHERE task_id = :task_id
-        ORDER BY fencing_token DESC LIMIT 1) AS task_token,
-       (SELECT fencing_token FROM celery_lease_results WHERE lease_key = :key AND :once
-        ORDER BY fencing_token LIMIT 1) AS duplicate_token
-"""
-SQLITE_PREPARE = """
+#: Before the body, after the registration (leases elsewhere): whether this
+#: task id already has an accepted result (a late redelivery) and, in once
+#: mode, whether the key has one (a duplicate).
+PREPARE_LOOKUP = """
 SELECT (SELECT fencing_token FROM celery_lease_results WHERE task_id = :task_id
         ORDER BY fencing_token DESC LIMIT 1) AS task_token,
        (SELECT fencing_token FROM celery_lease_results WHERE lease_key = :key AND :once

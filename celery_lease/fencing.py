@@ -49,7 +49,9 @@ def guard(connection: Connection, resource: str, token: int) -> None:
         raise LeaseConfigError(f"a fencing token is a non-negative integer, got {token!r}")
     now = q.NOW.get(connection.dialect.name)
     if now is None:
-        raise LeaseConfigError(f"fencing.guard supports PostgreSQL and SQLite, not {now!r}")
+        raise LeaseConfigError(
+            f"fencing.guard supports PostgreSQL and SQLite, not {connection.dialect.name!r}"
+        )
     row = connection.execute(
         text(q.GUARD.format(now=now)), {"resource": resource, "token": token}
     ).first()

@@ -9,10 +9,18 @@ A ``lease_key`` is one of:
   arguments (sorted keys, no whitespace), which does not depend on argument
   order, dict ordering or the process's hash seed.
 
+A template renders dict arguments with their keys sorted and set arguments
+with their elements sorted (recursively), so ``{"a": 1, "b": 2}`` and
+``{"b": 2, "a": 1}`` give one key, and a set's hash-seed-dependent order never
+leaks into a key.
+
 Tenant scoping (:func:`scoped`) is an injective encoding, so no tenant's key
-can equal another tenant's, or an unscoped key. Keys longer than
-:data:`MAX_KEY_LENGTH` are shortened deterministically (a readable prefix plus
-a hash of the whole).
+can equal another tenant's, or an unscoped key. Keys no store can hold as
+given -- longer than :data:`MAX_KEY_LENGTH`, or containing NUL or a lone
+surrogate -- become ``<readable prefix>~<sha256 of the whole>`` (:func:`shorten`):
+deterministic, and distinct keys stay distinct (short of a SHA-256 collision).
+Every store applies the same mapping at its boundary, so a caller may pass
+any ``str``.
 """
 
 from __future__ import annotations
@@ -20,27 +28,45 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import re
 import string
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from celery_lease.exceptions import LeaseConfigError
 
-__all__ = ["MAX_KEY_LENGTH", "KeySpec", "canonical_json", "scoped"]
+__all__ = ["MAX_KEY_LENGTH", "KeySpec", "canonical_json", "scoped", "shorten"]
 
 MAX_KEY_LENGTH = 200
+#: Characters no store keeps verbatim: PostgreSQL text refuses NUL, and a lone
+#: surrogate has no UTF-8 encoding.
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def has_unstorable(text: str) -> bool:
+    """True if ``text`` contains NUL or a lone surrogate (no store keeps those verbatim)."""
+    return _UNSTORABLE.search(text) is not None
+
+
 def shorten(key: str) -> str:
-    """Keys over :data:`MAX_KEY_LENGTH` become ``<prefix>~<sha256>`` (deterministic)."""
-    if len(key) <= MAX_KEY_LENGTH:
+    """``key`` as every store can hold it; unchanged when it already can.
+
+    Keys over :data:`MAX_KEY_LENGTH` characters, or containing NUL or a lone
+    surrogate, become ``<prefix>~<sha256>``: the first characters (NUL and
+    surrogates replaced by U+FFFD), then the SHA-256 of the whole key (its
+    UTF-8 bytes, surrogates passed through), so the mapping is deterministic
+    and two different keys never meet. At most :data:`MAX_KEY_LENGTH`
+    characters (at most 4 bytes each, well under PostgreSQL's index limit).
+    """
+    if len(key) <= MAX_KEY_LENGTH and not _UNSTORABLE.search(key):
         return key
-    digest = hashlib.sha256(key.encode()).hexdigest()
-    return f"{key[: MAX_KEY_LENGTH - 66]}~{digest}"
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    head = _UNSTORABLE.sub("\ufffd", key[: MAX_KEY_LENGTH - 66])
+    return f"{head}~{digest}"
 
 
 def scoped(key: str, tenant: str | None) -> str:
@@ -48,17 +74,26 @@ def scoped(key: str, tenant: str | None) -> str:
 
     Length-prefixing the tenant makes the encoding injective: ``("a:b", "c")``
     and ``("a", "b:c")`` give different strings; and since unscoped keys may
-    not start with ``t/``, no unscoped key equals a scoped one.
+    not start with ``t/``, no unscoped key equals a scoped one. The result is
+    passed through :func:`shorten` (a long tenant or key stays storable; the
+    readable prefix still starts with ``t/<len>:``).
     """
+    if not isinstance(key, str) or not key:
+        raise LeaseConfigError(f"a lease key is a non-empty string, got {key!r}")
     if tenant is None:
         if key.startswith("t/"):
             raise LeaseConfigError(
                 f"lease key {key!r}: keys starting with 't/' are reserved for tenant scopes"
             )
-        return key
+        return shorten(key)
     if not isinstance(tenant, str) or not tenant:
         raise LeaseConfigError(f"a tenant is a non-empty string, got {tenant!r}")
-    return f"t/{len(tenant)}:{tenant}/{key}"
+    if _UNSTORABLE.search(tenant):
+        raise LeaseConfigError(
+            f"tenant {tenant!r} contains NUL or a lone surrogate, which the result table "
+            "cannot store"
+        )
+    return shorten(f"t/{len(tenant)}:{tenant}/{key}")
 
 
 class KeySpec:
@@ -130,7 +165,7 @@ class KeySpec:
             produced = template(*args, **kwargs)
             found = [produced] if isinstance(produced, str) else list(produced)
         elif isinstance(template, str):
-            arguments = self.bind(args, kwargs)
+            arguments = {name: _ordered(v) for name, v in self.bind(args, kwargs).items()}
             try:
                 found = [template.format_map(arguments)]
             except KeyError as e:
@@ -158,6 +193,41 @@ class KeySpec:
                 f"task {self.task_name!r}: lease_key produced {found!r}; keys are non-empty strings"
             )
         return [shorten(k) for k in found]
+
+
+class _SortedSet(frozenset):  # type: ignore[type-arg]
+    """A set argument as a template renders it: elements in a fixed order."""
+
+    _mutable = True
+
+    def __repr__(self) -> str:
+        items = ", ".join(sorted((repr(v) for v in self), key=str))
+        if not self._mutable:
+            return f"frozenset({{{items}}})" if items else "frozenset()"
+        return f"{{{items}}}" if items else "set()"
+
+    __str__ = __repr__
+
+
+def _ordered(value: Any) -> Any:
+    """``value`` with dict keys and set elements in a fixed order (recursively).
+
+    Only plain ``dict``/``list``/``tuple``/``set``/``frozenset`` are rebuilt,
+    so ``{d[field]}`` and ``{obj.attr}`` in a template keep working.
+    """
+    kind = type(value)
+    if kind is dict:
+        ordered = sorted(value.items(), key=lambda kv: (type(kv[0]).__name__, repr(kv[0])))
+        return {k: _ordered(v) for k, v in ordered}
+    if kind is list:
+        return [_ordered(v) for v in value]
+    if kind is tuple:
+        return tuple(_ordered(v) for v in value)
+    if kind is set or kind is frozenset:
+        out = _SortedSet(_ordered(v) for v in value)
+        out._mutable = kind is set
+        return out
+    return value
 
 
 def _template_fields(task_name: str, template: str) -> list[str]:

@@ -63,7 +63,7 @@ class _Lazy:
                     # prometheus-client picks its value class when first imported;
                     # something (Flower's celery command plugin) may have imported
                     # it before the worker set the multiprocess directory.
-                    values.ValueClass = values.MultiProcessValue()
+                    values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
                 self._metric = self._make(prometheus_client)
         return self._metric
 

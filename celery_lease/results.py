@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -64,6 +65,7 @@ from celery_lease.exceptions import (
     StaleFencingToken,
     StoreUnavailable,
 )
+from celery_lease.keys import shorten
 from celery_lease.stores.base import Lease, LeaseStore
 
 __all__ = [
@@ -80,6 +82,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 MODES = ("exclusive", "once")
+#: A JSON ``\u0000`` escape (not an escaped backslash followed by "u0000").
+_NUL_ESCAPE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 DEFAULT_MAX_BYTES = 1024 * 1024
 
 
@@ -117,7 +121,19 @@ def encode_result(value: Any, *, task_name: str | None = None, max_bytes: int | 
             f"{who} returned a value that cannot be stored as JSON ({e})"
         ) from e
     limit = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
-    size = len(encoded.encode())
+    try:
+        size = len(encoded.encode())
+    except UnicodeEncodeError as e:  # a lone surrogate: valid in str, not in UTF-8
+        raise ResultNotSerializable(
+            f"{who} returned a string that cannot be stored as UTF-8 JSON ({e})"
+        ) from e
+    if "\\u0000" in encoded and _NUL_ESCAPE.search(encoded):
+        # PostgreSQL's jsonb refuses U+0000; refuse it on SQLite too, before
+        # the commit releases anything, so a result storable in one is in both.
+        raise ResultNotSerializable(
+            f"{who} returned a str containing U+0000 (NUL), which cannot be stored as JSON "
+            "in PostgreSQL"
+        )
     if limit and size > limit:
         raise ResultTooLarge(
             f"{who} returned {size} bytes of JSON, over lease_result_max_bytes={limit}; "
@@ -185,25 +201,39 @@ class ResultTable:
     def prepare(self, lease: Lease, task_id: str | None, *, once: bool) -> Prepared:
         """Before the body: :meth:`register` the token and look up earlier results.
 
-        One round trip on PostgreSQL. Raises :class:`StaleFencingToken` if a
-        newer owner registered first.
+        Raises :class:`StaleFencingToken` if a newer owner registered first.
+
+        The registration and the look-ups are two statements, the look-ups
+        started *after* the registration returned: an owner's commit releases
+        its lease in the store while its transaction still holds the fence
+        row, so a copy of the same task id can claim in that window; its
+        registration waits for that commit, and only a statement started after
+        the wait sees the accepted row (one statement would read the results
+        with a snapshot taken before the wait, and run an accepted task again).
+        On PostgreSQL both run in autocommit (two round trips; one when the
+        leases live in this database and nothing is registered).
         """
         register = not self.colocated
         params = {"key": lease.key, "token": lease.token, "task_id": task_id, "once": once}
+        registered = True
         if self.db.is_sqlite:
             with self.db.transaction() as conn:
-                registered = 1
                 if register:
-                    registered = len(
+                    registered = bool(
                         conn.execute(
                             text(q.RESULT_REGISTER.format(now=self.db.now_sql)), params
                         ).all()
                     )
-                row = conn.execute(text(q.SQLITE_PREPARE), params).one()
+                row = conn.execute(text(q.PREPARE_LOOKUP), params).one()
         else:
             with self.db.single() as conn:
-                row = conn.execute(text(q.PG_PREPARE), {**params, "register": register}).one()
-            registered = int(row.registered) if register else 1
+                if register:
+                    registered = bool(
+                        conn.execute(
+                            text(q.RESULT_REGISTER.format(now=self.db.now_sql)), params
+                        ).all()
+                    )
+                row = conn.execute(text(q.PREPARE_LOOKUP), params).one()
         if not registered:
             raise StaleFencingToken(
                 lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
@@ -401,11 +431,15 @@ class ResultTable:
 
     def get(self, key: str, token: int) -> AcceptedResult | None:
         """The accepted row for exactly ``key`` and ``token``."""
-        return self._one(q.RESULT_BY_KEY_TOKEN, {"key": key, "token": token})
+        return self._one(q.RESULT_BY_KEY_TOKEN, {"key": shorten(key), "token": token})
 
     def accepted(self, key: str, tenant: str | None = None) -> AcceptedResult | None:
-        """The newest accepted result for ``key`` (in ``tenant``'s scope), or None."""
-        return self._one(q.RESULT_ACCEPTED, {"key": key, "tenant": tenant})
+        """The newest accepted result for ``key`` (in ``tenant``'s scope), or None.
+
+        ``key`` as the store holds it: the scoped key for a tenant (``scoped(key,
+        tenant)``); a key no store keeps verbatim is looked up as ``shorten(key)``.
+        """
+        return self._one(q.RESULT_ACCEPTED, {"key": shorten(key), "tenant": tenant})
 
     def for_task(self, task_id: str) -> AcceptedResult | None:
         """The newest accepted result committed by ``task_id``, or None."""
@@ -415,7 +449,7 @@ class ResultTable:
         """Accepted results for ``key``, newest first."""
         with self.db.single() as conn:
             rows = conn.execute(
-                text(q.RESULT_HISTORY), {"key": key, "tenant": tenant, "limit": limit}
+                text(q.RESULT_HISTORY), {"key": shorten(key), "tenant": tenant, "limit": limit}
             ).all()
         return [self._result(r) for r in rows]
 

@@ -31,6 +31,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, ClassVar, NoReturn
 
 from celery import Task
@@ -69,6 +70,8 @@ HEADER_KEYS = "lease_keys"
 HEADER_TENANT = "lease_tenant"
 HEADER_DEFERRALS = "lease_deferrals"
 HEADER_DEFER_ID = "lease_defer_id"
+#: Store time before which a deferred copy must not claim (its ETA, in the store's clock).
+HEADER_NOT_BEFORE = "lease_not_before"
 #: Prefix of the store keys that mark an outstanding deferral of a task id.
 DEFER_MARKER = "celery-lease/defer/"
 
@@ -159,15 +162,17 @@ class LeasedTask(Task):  # type: ignore[misc]
             value = getattr(cls, attr)
             if value is not None:
                 choice(f"task {cls.name!r}: {attr}", value, allowed)
-        if cls.lease_ttl is not None and (
-            isinstance(cls.lease_ttl, bool)
-            or not isinstance(cls.lease_ttl, (int, float))
-            or cls.lease_ttl <= 0
-        ):
-            raise LeaseConfigError(
-                f"task {cls.name!r}: lease_ttl must be a positive number of seconds, "
-                f"got {cls.lease_ttl!r}"
-            )
+        for attr in ("lease_ttl", "lease_renew_interval"):
+            value = getattr(cls, attr)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 < value < float("inf")
+            ):
+                raise LeaseConfigError(
+                    f"task {cls.name!r}: {attr} must be a positive number of seconds, got "
+                    + repr(value)
+                )
         if cls.lease_renew_interval is not None and cls.lease_ttl is not None:
             check_renew_interval(
                 cls.lease_renew_interval, cls.lease_ttl, f"task {cls.name!r}: lease_renew_interval"
@@ -249,6 +254,10 @@ class LeasedTask(Task):  # type: ignore[misc]
         renew = self.lease_renew_interval
         if renew is None and self.lease_ttl is None:
             renew = cfg.renew_interval
+        if renew is not None:
+            # Checked before the claim: a lease granted with a renew interval the
+            # timer refuses would stay blocked until its TTL ran out.
+            check_renew_interval(renew, ttl, f"task {self.name!r}: lease_renew_interval")
         return _Options(
             ttl=ttl,
             renew_interval=renew,
@@ -315,6 +324,15 @@ class _Execution:
                 held.detach()
                 finished = True
                 self.not_done(e, events.LEASE_LOST)
+            except StaleFencingToken as e:
+                # A fenced write in the body (fencing.guard) was refused: a newer
+                # owner registered. The same outcome as a refused commit, so a
+                # stale copy never writes FAILURE over its own task id's owner.
+                held.detach()
+                finished = True
+                self.release()
+                metrics.stale_commits.inc()
+                self.not_done(e, events.FENCED)
             except Retry:
                 self.release()  # the retry claims again, with a newer token
                 finished = True
@@ -340,6 +358,7 @@ class _Execution:
 
     def claim(self) -> HeldLease:
         store = self.rt.store
+        self._wait_until_not_before()
         deadline = time.monotonic() + self.cfg.store_retry
         waited_until = time.monotonic() + self.cfg.wait_timeout
         delay = 0.05
@@ -385,7 +404,7 @@ class _Execution:
             if holder is not None and holder.task_id == self.task_id:
                 # A redelivered copy of this very task met its live owner: defer,
                 # never drop (acking it would ack the owner's message too).
-                self.defer(remaining, "a copy of this task id holds the lease")
+                self.defer(remaining, "a copy of this task id holds the lease", same_task=True)
             policy = self.opts.on_conflict
             if policy == "reject":
                 metrics.claims.labels("rejected").inc()
@@ -398,6 +417,20 @@ class _Execution:
                 delay = min(delay * 2, 2.0)
                 continue
             self.defer(remaining, "another owner holds the lease")
+
+    def _wait_until_not_before(self) -> None:
+        """A deferred copy that arrived early (this worker's clock runs ahead of
+        the store's, so Celery's ETA passed too soon) waits out the rest here,
+        before claiming, instead of deferring again at once, over and over."""
+        not_before = getattr(self.req, HEADER_NOT_BEFORE, None)
+        if not isinstance(not_before, (int, float)) or isinstance(not_before, bool):
+            return
+        try:
+            early = float(not_before) - self.rt.store.time()
+        except StoreUnavailable:
+            return
+        if early > 0:
+            time.sleep(min(early, self.opts.ttl + 1.0))
 
     def prepare(self, held: HeldLease) -> None:
         deadline = held.valid_until
@@ -513,10 +546,16 @@ class _Execution:
         self.event(events.LEASE_REJECTED, reason=f"{reason}: {exc}")
         raise Ignore()
 
-    def defer(self, remaining: float, reason: str) -> NoReturn:
-        """Re-publish this task id for after the holder's lease, backend untouched."""
+    def defer(self, remaining: float, reason: str, *, same_task: bool = False) -> NoReturn:
+        """Re-publish this task id for after the holder's lease, backend untouched.
+
+        ``lease_defer_max`` bounds deferrals behind *other* owners. A copy of the
+        holder's own task id is deferred for as long as that holder lives (the
+        chain ends when it commits, or takes over if it dies): rejecting it would
+        write FAILURE over the live owner's task id and drop its crash cover.
+        """
         deferrals = int(getattr(self.req, HEADER_DEFERRALS, 0) or 0)
-        if deferrals >= self.cfg.defer_max:
+        if deferrals >= self.cfg.defer_max and not same_task:
             metrics.claims.labels("rejected").inc()
             self.reject(
                 LeaseNotAcquired(self.key, None, remaining),
@@ -560,8 +599,22 @@ class _Execution:
                 else int(getattr(self.req, HEADER_DEFERRALS, 0) or 0),
             }
         )
+        when: dict[str, Any] = {"countdown": countdown}
+        headers[HEADER_NOT_BEFORE] = None
+        if countdown > 0:
+            # Celery turns a countdown into an ETA by this worker's clock, and every
+            # worker that receives the copy waits for it by its own: a clock one
+            # hour fast here would hold the copy an hour everywhere else. Take the
+            # ETA from the lease store's clock, the one the lease itself runs on;
+            # a receiver whose clock runs ahead waits out the rest (see claim()).
+            try:
+                eta = self.rt.store.time() + countdown
+                when = {"eta": datetime.fromtimestamp(eta, tz=timezone.utc)}
+                headers[HEADER_NOT_BEFORE] = eta
+            except StoreUnavailable:
+                pass
         sig = self.task.signature_from_request(
-            self.req, self.args, self.kwargs, countdown=countdown, headers=headers
+            self.req, self.args, self.kwargs, headers=headers, **when
         )
         sig.apply_async()
         self.event(events.LEASE_DEFERRED, countdown=round(countdown, 3), reason=reason)

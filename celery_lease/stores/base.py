@@ -35,6 +35,7 @@ Stores translate their driver's errors into :class:`StoreUnavailable`
 from __future__ import annotations
 
 import builtins
+import math
 import os
 import secrets
 import socket
@@ -47,6 +48,7 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery_lease.exceptions import LeaseConfigError, LeaseNotAcquired
+from celery_lease.keys import has_unstorable, shorten
 
 if TYPE_CHECKING:
     from celery_lease.renewal import HeldLease
@@ -113,7 +115,12 @@ class LeaseRecord:
 
 
 def normalize_keys(key: str | Sequence[str]) -> tuple[str, tuple[str, ...]]:
-    """Return ``(primary key, sorted unique keys)``; validates they are non-empty strings."""
+    """Return ``(primary key, sorted unique keys)``; validates they are non-empty strings.
+
+    Keys are mapped through :func:`celery_lease.keys.shorten`, so any ``str``
+    works on every store: over 200 characters, NUL or a lone surrogate, a key
+    is held as ``<prefix>~<sha256>`` (and ``Lease.key`` is that form).
+    """
     try:
         keys = [key] if isinstance(key, str) else list(key)
     except TypeError:  # None, a number: not a key, not a list of keys
@@ -123,11 +130,19 @@ def normalize_keys(key: str | Sequence[str]) -> tuple[str, tuple[str, ...]]:
     for k in keys:
         if not isinstance(k, str) or not k:
             raise LeaseConfigError(f"lease keys must be non-empty strings, got {k!r}")
+    keys = [shorten(k) for k in keys]
     return keys[0], tuple(sorted(set(keys)))
 
 
 def check_ttl(ttl: float) -> float:
-    if not isinstance(ttl, (int, float)) or isinstance(ttl, bool) or not ttl > 0:
+    # Finite too: an infinite TTL would be a lease that never expires (SQL) or a
+    # driver OverflowError (Redis); every lease has a bounded TTL.
+    if (
+        not isinstance(ttl, (int, float))
+        or isinstance(ttl, bool)
+        or not ttl > 0
+        or not math.isfinite(ttl)
+    ):
         raise LeaseConfigError(f"ttl must be a positive number of seconds, got {ttl!r}")
     return float(ttl)
 
@@ -223,11 +238,18 @@ class LeaseStore(ABC):
 
     def inspect(self, key: str) -> LeaseRecord | None:
         """The record for ``key`` (live, expired-but-kept, or fenced-but-free), or None."""
-        normalize_keys(key)
+        key = normalize_keys(key)[0]
         return self.do_inspect(key)
 
     def list(self, prefix: str = "", *, expired: bool = False) -> list[LeaseRecord]:
-        """Live leases whose key starts with ``prefix`` (also expired ones if ``expired``)."""
+        """Live leases whose key starts with ``prefix`` (also expired ones if ``expired``).
+
+        The prefix matches literally (no glob or LIKE wildcards, case-sensitive).
+        """
+        if not isinstance(prefix, str):
+            raise LeaseConfigError(f"a key prefix is a string, got {prefix!r}")
+        if has_unstorable(prefix):
+            return []  # NUL or a lone surrogate: no stored key contains one
         return self.do_list(prefix, expired)
 
     def evict(self, key: str) -> LeaseRecord | None:
@@ -236,12 +258,12 @@ class LeaseStore(ABC):
         The evicted owner's renewals, releases and commits fail from then on;
         the next claim gets a larger token. Returns the evicted record, if any.
         """
-        normalize_keys(key)
+        key = normalize_keys(key)[0]
         return self.do_evict(key)
 
     def fence_token(self, key: str) -> int:
         """The newest token ever issued for ``key`` (0 if none)."""
-        return self.do_fence_token(key)
+        return self.do_fence_token(normalize_keys(key)[0])
 
     @contextmanager
     def hold(

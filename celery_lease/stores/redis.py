@@ -41,6 +41,8 @@ __all__ = ["RedisLeaseStore"]
 # KEYS: n lease hashes, then the n fence counters of the same keys (same order)
 # ARGV: owner_id, ttl_ms, task_id, task_name, root_id, tenant
 # A released hash (tombstone) counts as free; the owner claiming again is re-granted.
+# Expiry is decided by the 'expires' field against TIME, like INSPECT does: the
+# hash's PEXPIRE deletes it only in the next millisecond or later.
 # Returns {1, token, expires_us, now_us}            granted
 #         {0, holder_owner, holder_expires_us, now_us}  a live lease of another owner
 CLAIM = """
@@ -49,7 +51,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 for i = 1, n do
   local h = redis.call('HMGET', KEYS[i], 'owner', 'expires', 'released')
-  if h[1] and h[1] ~= ARGV[1] and not h[3] then
+  if h[1] and h[1] ~= ARGV[1] and not h[3] and (tonumber(h[2]) or 0) > now then
     return {0, h[1], h[2] or '0', string.format('%.0f', now)}
   end
 end
@@ -77,7 +79,7 @@ return {1, stoken, sexp, snow}
 # KEYS: the lease hashes of every lease, concatenated in ARGV order
 # ARGV: count, then per lease: nkeys, owner_id, token, ttl_ms
 # Returns one entry per lease: its new expires_us, or '0' if it is lost (some
-# key no longer names this owner and token; an expired key is gone).
+# key no longer names this owner and token, or it expired by TIME).
 RENEW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -90,8 +92,10 @@ for l = 1, tonumber(ARGV[1]) do
   a = a + 4
   local ok = true
   for i = k, k + nkeys - 1 do
-    local h = redis.call('HMGET', KEYS[i], 'owner', 'token', 'released')
-    if h[1] ~= owner or h[2] ~= token or h[3] then ok = false end
+    local h = redis.call('HMGET', KEYS[i], 'owner', 'token', 'released', 'expires')
+    if h[1] ~= owner or h[2] ~= token or h[3] or (tonumber(h[4]) or 0) <= now then
+      ok = false
+    end
   end
   if ok then
     local sexp = string.format('%.0f', now + ttl * 1000)
@@ -115,12 +119,14 @@ return out
 # KEYS: lease hashes
 # ARGV: owner_id, token
 # Returns the number of keys this owner holds or had released (== #KEYS when
-# it was still the owner).
+# it was still the owner); a lease expired by TIME is not released.
 RELEASE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local n = 0
 for i = 1, #KEYS do
-  local h = redis.call('HMGET', KEYS[i], 'owner', 'token', 'released')
-  if h[1] == ARGV[1] and h[2] == ARGV[2] then
+  local h = redis.call('HMGET', KEYS[i], 'owner', 'token', 'released', 'expires')
+  if h[1] == ARGV[1] and h[2] == ARGV[2] and (h[3] or (tonumber(h[4]) or 0) > now) then
     if not h[3] then redis.call('HSET', KEYS[i], 'released', '1') end
     n = n + 1
   end
@@ -167,8 +173,15 @@ class RedisLeaseStore(LeaseStore):
         options.setdefault("socket_connect_timeout", 5.0)
         try:
             self.client: redis.Redis = redis.Redis.from_url(url, **options)
-        except (ValueError, TypeError) as e:
-            raise LeaseConfigError(f"bad Redis URL {redact_url(url)}: {e}") from e
+            # redis-py connects lazily: build one connection object (no I/O) so an
+            # unknown option or a bad ssl_cert_reqs fails here, not at the first claim.
+            pool = self.client.connection_pool
+            pool.connection_class(**pool.connection_kwargs)
+        except (ValueError, TypeError, RedisError) as e:
+            raise LeaseConfigError(
+                f"bad Redis URL or client options for {redact_url(url)} "
+                f"(lease_store_url / lease_store_options): {e}"
+            ) from e
         self._claim = self.client.register_script(CLAIM)
         self._renew = self.client.register_script(RENEW)
         self._release = self.client.register_script(RELEASE)

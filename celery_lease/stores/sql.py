@@ -189,7 +189,8 @@ class SQLLeaseStore(LeaseStore):
             rows = conn.execute(
                 text(q.LIST.format(now=self.db.now_sql)), {"pattern": pattern, "expired": expired}
             ).all()
-        return [_record(r) for r in rows]
+        # SQLite's LIKE ignores ASCII case: keep only the literal prefix matches.
+        return [_record(r) for r in rows if r.lease_key.startswith(prefix)]
 
     def do_evict(self, key: str) -> LeaseRecord | None:
         before = self.do_inspect(key)

@@ -1,0 +1,85 @@
+"""Helpers shared by the lease-store suites (contract, restart, contention, skew).
+
+Not fixtures themselves (conftest.py belongs to the server infrastructure):
+each test module declares its own ``store`` fixture with :func:`store_url`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import celery_lease
+from celery_lease import LeaseRecord, LeaseStore
+from tests.servers import wait_for
+
+__all__ = [
+    "CLIENT",
+    "PYTHON",
+    "STORE_KINDS",
+    "client_env",
+    "new_key",
+    "store_url",
+    "wait_for",
+    "wait_until_expired",
+]
+
+#: The three stores every suite runs against.
+STORE_KINDS = ("redis", "postgres", "sqlite")
+
+#: The subprocess client (run as a script, so it needs no ``tests`` package).
+CLIENT = str(Path(__file__).with_name("lease_client.py"))
+PYTHON = sys.executable
+
+_migrated: set[str] = set()
+
+
+def store_url(request: pytest.FixtureRequest, kind: str) -> str:
+    """A URL for a fresh (or at least migrated) store of ``kind`` for this test."""
+    if kind == "redis":
+        url: str = request.getfixturevalue("redis_url")
+    elif kind == "postgres":
+        url = request.getfixturevalue("pg_url")
+        if url not in _migrated:
+            celery_lease.migrate(url)
+            _migrated.add(url)
+    elif kind == "sqlite":
+        url = request.getfixturevalue("sqlite_url")
+    else:  # pragma: no cover - a typo in a parametrization
+        raise ValueError(kind)
+    return url
+
+
+def new_key(prefix: str = "k") -> str:
+    """A key no other test uses."""
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def wait_until_expired(
+    store: LeaseStore, key: str, expires_at: float, timeout: float = 10.0
+) -> LeaseRecord | None:
+    """Let a lease lapse in *store* time, then return the key's record.
+
+    Sleeps the remaining store time (the one place a sleep is the point),
+    then polls the store clock until it is past ``expires_at``; the caller
+    still asserts what ``inspect`` says.
+    """
+    remaining = expires_at - store.time()
+    if remaining > 0:
+        time.sleep(remaining)
+    wait_for(lambda: store.time() > expires_at, timeout, f"store time past {expires_at}")
+    return store.inspect(key)
+
+
+def client_env(**extra: str) -> dict[str, str]:
+    """Environment for a client subprocess (sees the package and the test dir)."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra)
+    return env

@@ -1,0 +1,280 @@
+"""Alembic migrations: applied, checked against the models, undone, packaged.
+
+Every test gets a fresh database: a new PostgreSQL database on the session's
+private cluster, or a new SQLite file. ``celery_lease.db.check`` is
+``alembic check``: it compares the live schema with ``celery_lease.schema``.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from alembic.util.exc import CommandError
+from sqlalchemy import Column, MetaData, Text, create_engine, inspect, text
+from sqlalchemy.pool import NullPool
+
+import celery_lease
+import celery_lease.schema
+from celery_lease import db as q
+from celery_lease.schema import VERSION_TABLE, metadata
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parent.parent
+TABLES = {"celery_lease_leases", "celery_lease_results", "celery_lease_fences"}
+
+
+
+
+def head_revision() -> str:
+    cfg = q._alembic_config("sqlite:///unused")
+    head = ScriptDirectory.from_config(cfg).get_current_head()
+    assert head is not None
+    return head
+
+
+@pytest.fixture(params=["pg", "sqlite"])
+def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'fresh.sqlite3'}"
+        return
+    server = request.getfixturevalue("pg_server")
+    server.ensure_running()
+    name = f"test_migrations_{uuid.uuid4().hex[:10]}"
+    url: str = server.create_database(name)
+    yield url
+    q.database(url).dispose()
+    server.drop_database(name)
+
+
+def table_names(url: str) -> set[str]:
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        return set(inspect(engine).get_table_names())
+    finally:
+        engine.dispose()
+
+
+def versions(url: str) -> list[str]:
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return [r[0] for r in conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}"))]
+    finally:
+        engine.dispose()
+
+
+def test_migrate_then_check_reports_no_drift(fresh_url: str) -> None:
+    assert not {t for t in table_names(fresh_url) if t.startswith("celery_lease_")}
+    celery_lease.migrate(fresh_url)
+    assert TABLES | {VERSION_TABLE} <= table_names(fresh_url)
+    assert versions(fresh_url) == [head_revision()]
+    q.check(fresh_url)  # raises on any difference from celery_lease.schema
+    # And the same comparison done by hand finds nothing either.
+    engine = create_engine(fresh_url, poolclass=NullPool)
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True, "include_name": _ours})
+        assert compare_metadata(ctx, metadata) == []
+    engine.dispose()
+
+
+def _ours(name: str | None, type_: str, parent_names: object) -> bool:
+    if type_ == "table":
+        return bool(name and name.startswith("celery_lease_") and name != VERSION_TABLE)
+    return True
+
+
+def test_migrate_is_idempotent_and_ignores_application_tables(fresh_url: str) -> None:
+    engine = create_engine(fresh_url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE app_orders (id INTEGER PRIMARY KEY, note TEXT)"))
+        conn.execute(text("INSERT INTO app_orders (id, note) VALUES (1, 'keep me')"))
+    engine.dispose()
+    celery_lease.migrate(fresh_url)
+    store = celery_lease.LeaseStore.from_url(fresh_url)
+    lease = store.claim("survives-remigration", ttl=30, owner_id="w")
+    assert lease is not None
+    celery_lease.migrate(fresh_url)
+    celery_lease.migrate(fresh_url, "head")
+    assert versions(fresh_url) == [head_revision()]
+    q.check(fresh_url)  # the application's own table is not drift
+    record = store.inspect("survives-remigration")
+    assert record is not None and record.live and record.token == lease.token
+    engine = create_engine(fresh_url, poolclass=NullPool)
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT note FROM app_orders")).scalar() == "keep me"
+    engine.dispose()
+    store.close()
+
+
+def test_downgrade_to_base_removes_the_tables(fresh_url: str) -> None:
+    engine = create_engine(fresh_url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE app_orders (id INTEGER PRIMARY KEY)"))
+    engine.dispose()
+    celery_lease.migrate(fresh_url)
+    q.downgrade(fresh_url, "base")
+    left = table_names(fresh_url)
+    assert not {t for t in left if t.startswith("celery_lease_")}, left  # version table too
+    assert "app_orders" in left, "downgrade must not touch the application's tables"
+    # Up again from nothing, in the same process (no stale "already migrated" state).
+    celery_lease.migrate(fresh_url)
+    assert TABLES | {VERSION_TABLE} <= table_names(fresh_url)
+    assert versions(fresh_url) == [head_revision()]
+    q.check(fresh_url)
+    if fresh_url.startswith("sqlite"):
+        # The embedded default migrates itself on first use, also after a downgrade
+        # in the same process.
+        assert celery_lease.LeaseStore.from_url(fresh_url).claim("before", ttl=30)
+        q.downgrade(fresh_url, "base")
+        store = celery_lease.LeaseStore.from_url(fresh_url)
+        lease = store.claim("after", ttl=30)
+        assert lease is not None and store.inspect("after") is not None
+        store.close()
+
+
+def test_check_catches_a_column_dropped_by_hand(fresh_url: str) -> None:
+    celery_lease.migrate(fresh_url)
+    engine = create_engine(fresh_url, poolclass=NullPool)
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE celery_lease_results DROP COLUMN root_id"))
+    engine.dispose()
+    with pytest.raises(CommandError, match=r"root_id|upgrade operations"):
+        q.check(fresh_url)
+
+
+def test_check_catches_models_that_disagree_with_the_migrations(
+    fresh_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model change without a migration is drift: compare a modified copy of
+    the MetaData with a freshly migrated database, as ``alembic check`` does."""
+    celery_lease.migrate(fresh_url)
+    changed = MetaData(naming_convention=metadata.naming_convention)
+    for table in metadata.tables.values():
+        table.to_metadata(changed)
+    changed.tables["celery_lease_leases"].append_column(Column("region", Text, nullable=True))
+    engine = create_engine(fresh_url, poolclass=NullPool)
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True, "include_name": _ours})
+        diff = compare_metadata(ctx, changed)
+        assert compare_metadata(ctx, metadata) == []
+    engine.dispose()
+    assert [(d[0], d[3].name) for d in diff] == [("add_column", "region")], diff
+    # And `alembic check` itself (what celery_lease.db.check runs) fails on it.
+    monkeypatch.setattr(celery_lease.schema, "metadata", changed)
+    with pytest.raises(CommandError, match=r"add_column|upgrade operations"):
+        q.check(fresh_url)
+    monkeypatch.undo()
+    q.check(fresh_url)
+
+
+# --------------------------------------------------------------------------
+# concurrency
+# --------------------------------------------------------------------------
+
+
+def _migrate_in_child(url: str, barrier: object) -> None:
+    barrier.wait(60)  # type: ignore[attr-defined]
+    celery_lease.migrate(url)
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "pg"])
+def test_migrate_from_four_processes_at_once(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if kind == "sqlite":
+        url = f"sqlite:///{tmp_path / 'shared.sqlite3'}"
+    else:
+        url = request.getfixturevalue("fresh_url_pg")
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(4)
+    procs = [ctx.Process(target=_migrate_in_child, args=(url, barrier)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(90)
+    assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+    assert versions(url) == [head_revision()]
+    assert TABLES <= table_names(url)
+    q.check(url)
+
+
+@pytest.fixture
+def fresh_url_pg(request: pytest.FixtureRequest) -> Iterator[str]:
+    server = request.getfixturevalue("pg_server")
+    server.ensure_running()
+    name = f"test_migrations_{uuid.uuid4().hex[:10]}"
+    yield server.create_database(name)
+    server.drop_database(name)
+
+
+# --------------------------------------------------------------------------
+# packaging: the migrations ship in the wheel
+# --------------------------------------------------------------------------
+
+INSTALLED_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    import celery_lease
+    from celery_lease import db
+    from importlib import resources
+    out = {"file": celery_lease.__file__,
+           "migrations": [p.name for p in resources.files("celery_lease.migrations")
+                          .joinpath("versions").iterdir()]}
+    for url in sys.argv[1:]:
+        celery_lease.migrate(url)
+        db.check(url)
+        celery_lease.migrate(url)  # idempotent from the wheel too
+        store = celery_lease.LeaseStore.from_url(url)
+        lease = store.claim("packaged", ttl=30)
+        out[url.split(":")[0]] = lease.token
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.packaging
+def test_non_editable_install_applies_migrations(
+    installed_venv: Path, tmp_path: Path, fresh_url_pg: str
+) -> None:
+    """``pip install .`` into a fresh virtualenv, then migrate from the installed wheel."""
+    python = installed_venv / "bin" / "python"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    workdir = tmp_path / "elsewhere"  # not the repository: its source must not be importable
+    workdir.mkdir()
+    sqlite_url = f"sqlite:///{workdir / 'installed.sqlite3'}"
+    run = subprocess.run(
+        [str(python), "-c", INSTALLED_SCRIPT, sqlite_url, fresh_url_pg],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        cwd=workdir,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        cwd=workdir,
+    ).stdout.strip()
+    assert Path(out["file"]).resolve().is_relative_to(Path(purelib).resolve()), out["file"]
+    assert not Path(out["file"]).resolve().is_relative_to(ROOT), "imported the repo's source"
+    assert "0001_initial.py" in out["migrations"]
+    assert out["sqlite"] >= 1 and out["postgresql+psycopg"] >= 1
+    assert TABLES <= table_names(sqlite_url) and TABLES <= table_names(fresh_url_pg)
+    assert versions(sqlite_url) == versions(fresh_url_pg) == [head_revision()]

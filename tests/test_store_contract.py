@@ -1,0 +1,523 @@
+"""The lease-store contract (celery_lease/stores/base.py), proved on real servers.
+
+One suite, parametrized over the three stores: Redis (the session's private
+server), PostgreSQL (the session's private cluster, a database per module)
+and SQLite (a file under the test's tmp_path). No mocks: every claim, renewal
+and release goes through the real driver to the real server, and every
+expiry is decided by the store's own clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from celery_lease import (
+    HeldLease,
+    Lease,
+    LeaseConfigError,
+    LeaseLost,
+    LeaseNotAcquired,
+    LeaseRecord,
+    LeaseStore,
+)
+from tests.store_fixtures import STORE_KINDS, new_key, store_url, wait_for, wait_until_expired
+
+pytestmark = pytest.mark.timeout(60)
+
+A = "worker-a:1:aaaa"
+B = "worker-b:2:bbbb"
+C = "worker-c:3:cccc"
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store(request: pytest.FixtureRequest) -> Iterator[LeaseStore]:
+    s = LeaseStore.from_url(store_url(request, request.param))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+@pytest.fixture
+def other_store(store: LeaseStore) -> Iterator[LeaseStore]:
+    """A second handle on the same store, as another process would have."""
+    s = LeaseStore.from_url(store.url)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def state(record: LeaseRecord | None) -> tuple[str | None, int, float] | None:
+    """What a stranger must not change: owner, token, expiry."""
+    if record is None:
+        return None
+    return (record.owner_id, record.token, record.expires_at)
+
+
+def is_free(record: LeaseRecord | None) -> bool:
+    return record is None or not record.live
+
+
+def claim_ok(store: LeaseStore, key: str | list[str], owner: str, ttl: float = 30.0) -> Lease:
+    lease = store.claim(key, owner_id=owner, ttl=ttl)
+    first = key if isinstance(key, str) else key[0]
+    assert lease is not None, f"claim of {key!r} by {owner} refused: {store.inspect(first)}"
+    return lease
+
+
+# --------------------------------------------------------------------------
+# claim
+# --------------------------------------------------------------------------
+
+
+def test_claim_grants_and_refuses_a_second_claimer_while_live(store: LeaseStore) -> None:
+    key = new_key()
+    before = store.time()
+    lease = claim_ok(store, key, A, ttl=30)
+    assert (lease.key, lease.keys, lease.owner_id, lease.ttl) == (key, (key,), A, 30.0)
+    assert lease.token > 0
+    assert lease.expires_at == pytest.approx(lease.acquired_at + 30, abs=1e-3)
+    assert lease.acquired_at >= before - 0.002
+
+    for owner in (B, C):
+        assert store.claim(key, owner_id=owner, ttl=30) is None
+    record = store.inspect(key)
+    assert record is not None and record.live
+    assert state(record) == (A, lease.token, pytest.approx(lease.expires_at, abs=1e-3))
+    assert 0 < record.remaining <= 30
+
+
+def test_tokens_grow_across_release(store: LeaseStore) -> None:
+    key = new_key()
+    tokens = []
+    for owner in (A, B, C, A):
+        lease = claim_ok(store, key, owner)
+        tokens.append(lease.token)
+        assert store.release(lease) is True
+        assert is_free(store.inspect(key))
+        assert store.fence_token(key) >= lease.token
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), tokens
+
+
+def test_tokens_grow_across_expiry(store: LeaseStore) -> None:
+    key = new_key()
+    first = claim_ok(store, key, A, ttl=0.3)
+    assert store.claim(key, owner_id=B, ttl=0.3) is None
+    record = wait_until_expired(store, key, first.expires_at)
+    assert is_free(record), f"lease still live after its TTL: {record}"
+    second = claim_ok(store, key, B, ttl=0.3)
+    assert second.token > first.token
+    record = wait_until_expired(store, key, second.expires_at)
+    assert is_free(record)
+    third = claim_ok(store, key, A, ttl=30)
+    assert third.token > second.token > first.token
+
+
+def test_tokens_grow_across_evict(store: LeaseStore, other_store: LeaseStore) -> None:
+    key = new_key()
+    lease = claim_ok(store, key, A)
+    evicted = other_store.evict(key)
+    assert evicted is not None
+    assert (evicted.owner_id, evicted.token) == (A, lease.token)
+    assert is_free(store.inspect(key))
+    fence = store.fence_token(key)
+    assert fence > lease.token, "evict must advance the fence past the evicted token"
+    nxt = claim_ok(store, key, B)
+    assert nxt.token > fence > lease.token
+    # Evicting a free key still never lowers anything.
+    assert store.release(nxt) is True
+    assert other_store.evict(key) is None
+    assert claim_ok(store, key, C).token > nxt.token
+
+
+# --------------------------------------------------------------------------
+# renew / release by the owner
+# --------------------------------------------------------------------------
+
+
+def test_owner_renews_and_expiry_moves_forward_in_store_time(store: LeaseStore) -> None:
+    key = new_key()
+    lease = claim_ok(store, key, A, ttl=5)
+    wait_for(lambda: store.time() > lease.acquired_at + 0.05, 5, "store clock to advance")
+    assert store.renew(lease) is True
+    record = store.inspect(key)
+    assert record is not None and record.live and record.owner_id == A
+    assert record.token == lease.token, "a renewal must not change the token"
+    assert record.expires_at > lease.expires_at + 0.04
+    assert record.renewed_at is not None
+    assert record.expires_at == pytest.approx(record.renewed_at + 5, abs=1e-3)
+    assert record.renewed_at <= record.now + 0.002
+
+    # renew_many answers the new expiry; an explicit ttl sets a new length.
+    [expires] = store.renew_many([lease], ttl=20)
+    assert expires is not None
+    record = store.inspect(key)
+    assert record is not None
+    assert record.expires_at == pytest.approx(expires, abs=1e-3)
+    assert 19 < record.expires_at - record.now <= 20
+
+
+def test_owner_releases(store: LeaseStore) -> None:
+    key = new_key()
+    lease = claim_ok(store, key, A)
+    assert store.release(lease) is True
+    record = store.inspect(key)
+    assert is_free(record)
+    assert store.list(prefix=key) == []
+    assert store.renew(lease) is False, "a released lease cannot be renewed back to life"
+    assert claim_ok(store, key, B).token > lease.token
+
+
+STRANGERS = {
+    "other-owner-same-token": lambda lease: dataclasses.replace(lease, owner_id=B),
+    "same-owner-older-token": lambda lease: dataclasses.replace(lease, token=lease.token - 1),
+    "same-owner-newer-token": lambda lease: dataclasses.replace(lease, token=lease.token + 1),
+    "other-owner-other-token": lambda lease: dataclasses.replace(
+        lease, owner_id=B, token=lease.token + 1
+    ),
+}
+
+
+@pytest.mark.parametrize("stranger", sorted(STRANGERS))
+def test_strangers_renew_and_release_change_nothing(store: LeaseStore, stranger: str) -> None:
+    key = new_key()
+    lease = claim_ok(store, key, A, ttl=10)
+    fake = STRANGERS[stranger](lease)
+    wait_for(lambda: store.time() > lease.acquired_at + 0.02, 5, "store clock to advance")
+    before = store.inspect(key)
+
+    assert store.renew(fake) is False
+    assert store.renew(fake, ttl=60) is False
+    assert store.renew_many([fake]) == [None]
+    assert store.release(fake) is False
+
+    after = store.inspect(key)
+    assert state(after) == state(before)
+    assert after is not None and after.live
+    # The real owner is unaffected.
+    assert store.renew(lease) is True
+    assert store.release(lease) is True
+
+
+def test_expired_owner_cannot_renew_or_release_the_new_owners_lease(store: LeaseStore) -> None:
+    key = new_key()
+    old = claim_ok(store, key, A, ttl=0.3)
+    assert is_free(wait_until_expired(store, key, old.expires_at))
+    assert store.renew(old) is False, "an expired lease must not be renewed"
+
+    new = claim_ok(store, key, B, ttl=30)
+    assert new.token > old.token
+    before = store.inspect(key)
+    assert store.renew(old) is False
+    assert store.renew_many([old]) == [None]
+    assert store.release(old) is False
+    assert state(store.inspect(key)) == state(before)
+
+    # Same owner id coming back after expiry: its old grant is still dead.
+    assert store.release(new) is True
+    again = claim_ok(store, key, A, ttl=30)
+    assert again.token > new.token
+    before = store.inspect(key)
+    assert store.renew(old) is False
+    assert store.release(old) is False
+    assert state(store.inspect(key)) == state(before)
+    assert store.release(again) is True
+
+
+def test_every_operation_agrees_on_expiry_at_the_boundary(store: LeaseStore) -> None:
+    """Right after expiry in store time, claim/renew/release all treat the lease as gone.
+
+    Redis used to decide claim and renew by the hash's PEXPIRE, which fires a
+    millisecond or more after the store-time expiry that inspect reports: in
+    between, a new claimer was refused and the expired owner could renew.
+    """
+    for i in range(30):
+        key = new_key("edge")
+        lease = claim_ok(store, key, A, ttl=0.02)
+        past = lease.expires_at
+        wait_for(lambda t=past: store.time() > t, 5, "store time past expiry", interval=0)
+        op = ("claim", "renew", "release")[i % 3]
+        if op == "claim":
+            taker = store.claim(key, owner_id=B, ttl=5)
+            assert taker is not None, f"claim refused after expiry: {store.inspect(key)}"
+            assert taker.token > lease.token
+        elif op == "renew":
+            assert store.renew(lease) is False, "an expired lease was renewed"
+            assert is_free(store.inspect(key))
+        else:
+            assert store.release(lease) is False, "an expired lease was released"
+
+
+# --------------------------------------------------------------------------
+# hold() and HeldLease
+# --------------------------------------------------------------------------
+
+
+def test_hold_keeps_the_lease_past_several_ttls_and_releases_on_exit(store: LeaseStore) -> None:
+    key = new_key()
+    ttl = 1.0
+    refusals = 0
+    with store.hold(key, ttl=ttl, owner_id=A) as held:
+        assert isinstance(held, HeldLease)
+        token, acquired = held.token, held.lease.acquired_at
+        # Run until the store clock is well past three TTLs from the grant.
+        while store.time() < acquired + 3.5 * ttl:
+            assert held.held
+            held.ensure()
+            assert store.claim(key, owner_id=B, ttl=ttl) is None
+            refusals += 1
+            record = store.inspect(key)
+            assert record is not None and record.live
+            assert (record.owner_id, record.token) == (A, token)
+            time.sleep(0.05)
+        assert held.renewals >= 3, f"only {held.renewals} renewals in {3.5 * ttl}s"
+        assert held.expires_at > acquired + 3 * ttl
+        assert held.held
+    assert refusals >= 10
+    assert not held.held
+    after = claim_ok(store, key, B, ttl=ttl)
+    assert after.token > token
+
+
+def test_hold_raises_lease_not_acquired_when_held(store: LeaseStore) -> None:
+    key = new_key()
+    lease = claim_ok(store, key, A, ttl=30)
+    with pytest.raises(LeaseNotAcquired) as info, store.hold(key, ttl=30, owner_id=B):
+        pytest.fail("hold() entered a lease another owner holds")
+    assert info.value.key == key
+    assert info.value.holder == A
+    assert info.value.remaining is not None and 0 < info.value.remaining <= 30
+    assert state(store.inspect(key))[:2] == (A, lease.token)  # type: ignore[index]
+
+
+def test_hold_with_a_bad_renew_interval_leaves_the_key_free(store: LeaseStore) -> None:
+    key = new_key()
+    with pytest.raises(LeaseConfigError), store.hold(key, ttl=5, renew_interval=10):
+        pytest.fail("hold() accepted a renew interval above the TTL")
+    assert is_free(store.inspect(key)), "a refused hold() must not leave the key claimed"
+    claim_ok(store, key, B)
+
+
+def test_held_lease_is_lost_when_another_owner_evicts_it(
+    store: LeaseStore, other_store: LeaseStore
+) -> None:
+    key = new_key()
+    with store.hold(key, ttl=3, owner_id=A, renew_interval=0.1) as held:
+        assert held.held
+        assert other_store.evict(key) is not None
+        wait_for(lambda: not held.held, 5, "the renewer to notice the eviction")
+        assert held.lost_reason
+        with pytest.raises(LeaseLost):
+            held.ensure()
+        assert held.renew() is False
+        # The key is free for someone else, with a newer token.
+        taker = claim_ok(other_store, key, B, ttl=30)
+        assert taker.token > held.token
+    # Leaving the block of a lost lease does not touch the new owner's lease.
+    record = store.inspect(key)
+    assert record is not None and record.live
+    assert (record.owner_id, record.token) == (B, taker.token)
+    assert not held.held
+
+
+# --------------------------------------------------------------------------
+# several keys
+# --------------------------------------------------------------------------
+
+
+def test_multi_key_claims_are_all_or_nothing(store: LeaseStore) -> None:
+    k1, k2, k3 = (new_key(p) for p in ("m1", "m2", "m3"))
+    busy = claim_ok(store, k2, B)
+    fences = {k: store.fence_token(k) for k in (k1, k3)}
+
+    assert store.claim([k1, k2, k3], owner_id=A, ttl=30) is None
+    for k in (k1, k3):
+        assert is_free(store.inspect(k)), f"{k} granted by a refused multi-key claim"
+        assert store.fence_token(k) == fences[k]
+    assert state(store.inspect(k2))[:2] == (B, busy.token)  # type: ignore[index]
+    # The free keys really are free: someone else takes and gives them back.
+    for k in (k1, k3):
+        assert store.release(claim_ok(store, k, C)) is True
+
+    assert store.release(busy) is True
+    lease = claim_ok(store, [k3, k1, k2], A)
+    assert lease.key == k3, "the primary key is the first one named"
+    assert lease.keys == tuple(sorted((k1, k2, k3)))
+    for k in (k1, k2, k3):
+        record = store.inspect(k)
+        assert record is not None and record.live
+        assert (record.owner_id, record.token) == (A, lease.token)
+        assert lease.token > busy.token
+        assert store.claim(k, owner_id=C, ttl=30) is None
+
+    assert store.release(lease) is True
+    for k in (k1, k2, k3):
+        assert is_free(store.inspect(k))
+        assert claim_ok(store, k, C).token > lease.token
+
+
+def test_renew_many_answers_per_lease(store: LeaseStore, other_store: LeaseStore) -> None:
+    expiring = claim_ok(store, new_key("exp"), A, ttl=0.3)
+    live = claim_ok(store, new_key("live"), A, ttl=10)
+    released = claim_ok(store, new_key("rel"), A, ttl=10)
+    evicted = claim_ok(store, new_key("ev"), A, ttl=10)
+    multi = claim_ok(store, [new_key("mx"), new_key("my")], A, ttl=10)
+    stolen = claim_ok(store, new_key("st"), A, ttl=10)
+    assert store.release(released)
+    assert other_store.evict(evicted.key) is not None
+    assert other_store.evict(stolen.key) is not None
+    thief = claim_ok(other_store, stolen.key, B, ttl=10)
+    assert is_free(wait_until_expired(store, expiring.key, expiring.expires_at))
+
+    leases = [live, expiring, released, multi, evicted, stolen]
+    answers = store.renew_many(leases, ttl=20)
+    assert [a is not None for a in answers] == [True, False, False, True, False, False]
+    now = store.time()
+    for lease, expires in zip(leases, answers):
+        if expires is not None:
+            assert expires > lease.expires_at
+            assert 19 < expires - now <= 20
+            for k in lease.keys:
+                record = store.inspect(k)
+                assert record is not None and record.live and record.owner_id == A
+                assert record.expires_at == pytest.approx(expires, abs=1e-3)
+    assert is_free(store.inspect(expiring.key))
+    assert is_free(store.inspect(released.key))
+    assert is_free(store.inspect(evicted.key))
+    record = store.inspect(stolen.key)
+    assert record is not None and (record.owner_id, record.token) == (B, thief.token)
+    assert record.expires_at == pytest.approx(thief.expires_at, abs=1e-3)
+
+
+# --------------------------------------------------------------------------
+# reading: list, inspect, time
+# --------------------------------------------------------------------------
+
+
+def test_list_returns_only_live_leases_matching_the_prefix(store: LeaseStore) -> None:
+    hexid = new_key("")[1:]
+    # Wildcards of LIKE (% _) and of Redis globs (* ? [ ]) must match literally.
+    prefix = f"ls_{hexid}%*[x]?-"
+    wanted = {claim_ok(store, prefix + s, A).key for s in ("a", "b")}
+    decoys = [
+        f"lsQ{hexid}%*[x]?-a",  # LIKE '_' taken as a wildcard
+        f"ls_{hexid}QQ*[x]?-a",  # LIKE '%' taken as a wildcard
+        f"ls_{hexid}%QQx?-a",  # glob '*' and '[x]' taken as wildcards
+        f"ls_{hexid}%*[x]Q-a",  # glob '?' taken as a wildcard
+        f"xls_{hexid}%*[x]?-a",  # not a prefix
+    ]
+    for d in decoys:
+        claim_ok(store, d, A)
+    released = claim_ok(store, prefix + "c", A)
+    assert store.release(released)
+    expired = claim_ok(store, prefix + "d", A, ttl=0.3)
+    assert is_free(wait_until_expired(store, expired.key, expired.expires_at))
+
+    records = store.list(prefix=prefix)
+    assert sorted(r.key for r in records) == sorted(wanted)
+    for r in records:
+        assert r.live and r.owner_id == A
+    everything = {r.key for r in store.list()}
+    assert wanted | set(decoys) <= everything
+    assert released.key not in everything and expired.key not in everything
+
+
+def test_inspect_metadata_round_trips(store: LeaseStore) -> None:
+    key = new_key()
+    meta = {
+        "task_id": "7f8e2c1a-task",
+        "task_name": "proj.tasks.generate_security_suite",
+        "root_id": "root-42",
+        "tenant": "acme",
+    }
+    lease = store.claim(key, owner_id=A, ttl=30, meta=meta)
+    assert lease is not None
+    assert dict(lease.meta) == meta
+    record = store.inspect(key)
+    assert record is not None
+    assert {f: getattr(record, f) for f in meta} == meta
+    assert (record.key, record.owner_id, record.token, record.ttl) == (key, A, lease.token, 30.0)
+    assert record.acquired_at == pytest.approx(lease.acquired_at, abs=1e-3)
+    assert record.expires_at == pytest.approx(lease.expires_at, abs=1e-3)
+    [listed] = store.list(prefix=key)
+    assert {f: getattr(listed, f) for f in meta} == meta
+
+    # Partial metadata: the rest is None, and nothing leaks from the last owner.
+    assert store.release(lease)
+    nxt = store.claim(key, owner_id=B, ttl=30, meta={"task_id": "t-2", "tenant": None})
+    assert nxt is not None
+    record = store.inspect(key)
+    assert record is not None
+    assert (record.task_id, record.task_name, record.root_id, record.tenant) == (
+        "t-2",
+        None,
+        None,
+        None,
+    )
+
+
+def test_time_is_the_stores_clock(store: LeaseStore) -> None:
+    t0 = store.time()
+    lease = claim_ok(store, new_key(), A)
+    record = store.inspect(lease.key)
+    t1 = store.time()
+    assert record is not None
+    eps = 0.002  # SQLite's clock has millisecond resolution
+    assert t0 - eps <= lease.acquired_at <= record.now + eps <= t1 + 2 * eps
+    # The servers run on this machine: their clock is ours.
+    assert abs(store.time() - time.time()) < 1.0
+    readings = [store.time() for _ in range(20)]
+    assert readings == sorted(readings)
+
+
+# --------------------------------------------------------------------------
+# bad input
+# --------------------------------------------------------------------------
+
+
+def test_bad_input_raises_lease_config_error(store: LeaseStore) -> None:
+    key = new_key()
+    for bad_key in ("", [], [key, ""], [key, 7], None):
+        with pytest.raises(LeaseConfigError):
+            store.claim(bad_key, owner_id=A, ttl=5)  # type: ignore[arg-type]
+    for bad_ttl in (0, -1, 0.0, -0.5, True, "5", None, float("nan"), float("inf")):
+        with pytest.raises(LeaseConfigError):
+            store.claim(key, owner_id=A, ttl=bad_ttl)  # type: ignore[arg-type]
+    with pytest.raises(LeaseConfigError):
+        store.claim(key, owner_id=A, ttl=5, meta={"priority": "high"})
+    with pytest.raises(LeaseConfigError):
+        with store.hold(key, ttl=0):
+            pytest.fail("hold() accepted ttl=0")
+    with pytest.raises(LeaseConfigError):
+        store.inspect("")
+    with pytest.raises(LeaseConfigError):
+        store.evict("")
+    assert store.inspect(key) is None, "a refused claim must leave no trace"
+
+    lease = claim_ok(store, key, A, ttl=5)
+    for bad_ttl in (0, -3, float("inf")):
+        with pytest.raises(LeaseConfigError):
+            store.renew(lease, ttl=bad_ttl)
+    record = store.inspect(key)
+    assert record is not None and record.expires_at == pytest.approx(lease.expires_at, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "mongodb://127.0.0.1:27017/leases",
+        "etcd3://127.0.0.1:2379",
+        "no-scheme-at-all",
+        "",
+        "mysql+pymysql://u@127.0.0.1/db",
+        "sqlite:///:memory:",
+    ],
+)
+def test_unknown_or_unusable_store_urls_raise_lease_config_error(url: str) -> None:
+    with pytest.raises(LeaseConfigError):
+        LeaseStore.from_url(url)
