@@ -22,10 +22,11 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event, exc
+from sqlalchemy import Connection, Engine, TextClause, create_engine, event, exc, text
 from sqlalchemy.engine import make_url
 
 from celery_lease.exceptions import LeaseConfigError, LeaseError, StoreUnavailable
@@ -206,6 +207,12 @@ SELECT COALESCE(MAX(t), 0) FROM (
 ) AS both_tokens
 """
 SELECT_NOW = "SELECT {now}"
+
+
+@lru_cache(maxsize=512)
+def stmt(sql: str) -> TextClause:
+    """``text(sql)``, built once per distinct statement (the hot paths reuse them)."""
+    return text(sql)
 
 
 def in_list(prefix: str, n: int) -> tuple[str, list[str]]:
@@ -463,12 +470,51 @@ RESULT_DUPLICATE = """
 SELECT fencing_token FROM celery_lease_results WHERE lease_key = :key
 ORDER BY fencing_token LIMIT 1
 """
+#: The result row, written only if (once mode) the key has no accepted row yet;
+#: run after the caller holds the key's lock, so its snapshot is fresh. A row
+#: with this key and token already there (a retried commit) is left alone.
+#: No row returned: a duplicate, or this very commit accepted earlier.
 RESULT_INSERT = """
 INSERT INTO celery_lease_results
     (lease_key, fencing_token, task_id, task_name, owner_id, tenant, root_id, result, accepted_at)
-VALUES (:key, :token, :task_id, :task_name, :owner_id, :tenant, :root_id, {result}, :now)
-RETURNING id
+SELECT :key, :token, :task_id, :task_name, :owner_id, :tenant, :root_id, {result}, {now}
+WHERE NOT (:once AND EXISTS (SELECT 1 FROM celery_lease_results WHERE lease_key = :key))
+ON CONFLICT (lease_key, fencing_token) DO NOTHING
+RETURNING accepted_at
 """
+#: PostgreSQL, leases in this database: check ownership on the lease row (and
+#: release it), and insert the result, in one statement (one round trip). The
+#: duplicate look-up reads the statement's snapshot: only the lease's owner
+#: commits, and every earlier owner's commit preceded this owner's claim.
+PG_COMMIT_COLOCATED = f"""
+WITH t AS (SELECT {NOW["postgresql"]} AS now),
+own AS (
+    UPDATE celery_lease_leases AS l SET {{set}}
+    FROM t
+    WHERE l.lease_key = ANY(CAST(:keys AS text[])) AND l.owner_id = :owner_id
+        AND l.fencing_token = :token AND l.expires_at > t.now
+    RETURNING l.lease_key
+),
+dup AS (
+    SELECT fencing_token FROM celery_lease_results WHERE lease_key = :key AND :once
+    ORDER BY fencing_token LIMIT 1
+),
+ins AS (
+    INSERT INTO celery_lease_results
+        (lease_key, fencing_token, task_id, task_name, owner_id, tenant, root_id, result,
+         accepted_at)
+    SELECT :key, :token, :task_id, :task_name, :owner_id, :tenant, :root_id,
+           CAST(:result AS jsonb), t.now
+    FROM t
+    WHERE (SELECT count(*) FROM own) = :n AND NOT EXISTS (SELECT 1 FROM dup)
+    ON CONFLICT (lease_key, fencing_token) DO NOTHING
+    RETURNING accepted_at
+)
+SELECT (SELECT count(*) FROM own) AS owned, (SELECT fencing_token FROM dup) AS duplicate,
+       (SELECT accepted_at FROM ins) AS accepted_at
+"""
+PG_COMMIT_RELEASE_SET = "expires_at = t.now, renewed_at = t.now"
+PG_COMMIT_KEEP_SET = "renewed_at = l.renewed_at"
 RESULT_COLUMNS = """
 lease_key, fencing_token, task_id, task_name, owner_id, tenant, root_id, result, accepted_at
 """

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Row, exc, text
+from sqlalchemy import Connection, Row
 
 from celery_lease import db as q
 from celery_lease.exceptions import (
@@ -190,7 +190,7 @@ class ResultTable:
         """
         if self.colocated:
             return
-        stmt = text(q.RESULT_REGISTER.format(now=self.db.now_sql))
+        stmt = q.stmt(q.RESULT_REGISTER.format(now=self.db.now_sql))
         with self.db.single() as conn:
             row = conn.execute(stmt, {"key": lease.key, "token": lease.token}).first()
         if row is None:
@@ -221,19 +221,19 @@ class ResultTable:
                 if register:
                     registered = bool(
                         conn.execute(
-                            text(q.RESULT_REGISTER.format(now=self.db.now_sql)), params
+                            q.stmt(q.RESULT_REGISTER.format(now=self.db.now_sql)), params
                         ).all()
                     )
-                row = conn.execute(text(q.PREPARE_LOOKUP), params).one()
+                row = conn.execute(q.stmt(q.PREPARE_LOOKUP), params).one()
         else:
             with self.db.single() as conn:
                 if register:
                     registered = bool(
                         conn.execute(
-                            text(q.RESULT_REGISTER.format(now=self.db.now_sql)), params
+                            q.stmt(q.RESULT_REGISTER.format(now=self.db.now_sql)), params
                         ).all()
                     )
-                row = conn.execute(text(q.PREPARE_LOOKUP), params).one()
+                row = conn.execute(q.stmt(q.PREPARE_LOOKUP), params).one()
         if not registered:
             raise StaleFencingToken(
                 lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
@@ -309,14 +309,22 @@ class ResultTable:
             row["root_id"],
         )
 
-    def _insert(self, conn: Connection, row: dict[str, Any], now: float) -> None:
-        cast = "CAST(:result AS jsonb)" if not self.db.is_sqlite else ":result"
-        try:
-            conn.execute(text(q.RESULT_INSERT.format(result=cast)), {**row, "now": now})
-        except exc.IntegrityError as e:
-            # key + token is unique and a token is granted once: the row is
-            # there from an earlier attempt of this commit (see commit()).
-            raise DuplicateResult(row["key"], row["token"]) from e
+    def _insert(self, conn: Connection, row: dict[str, Any], once: bool) -> float:
+        """Insert the result row (the caller holds the key's lock); its accepted_at.
+
+        Raises :class:`DuplicateResult` when nothing was written: once mode found
+        an accepted row for the key, or this very commit was accepted earlier
+        (``commit()`` tells the two apart).
+        """
+        sql = q.RESULT_INSERT.format(
+            result=":result" if self.db.is_sqlite else "CAST(:result AS jsonb)",
+            now=self.db.now_sql,
+        )
+        accepted_at = conn.execute(q.stmt(sql), {**row, "once": once}).scalar()
+        if accepted_at is None:
+            duplicate = conn.execute(q.stmt(q.RESULT_DUPLICATE), {"key": row["key"]}).scalar()
+            raise DuplicateResult(row["key"], None if duplicate is None else int(duplicate))
+        return float(accepted_at)
 
     def _now(self, conn: Connection) -> float:
         return float(conn.exec_driver_sql(q.SELECT_NOW.format(now=self.db.now_sql)).scalar_one())
@@ -324,15 +332,35 @@ class ResultTable:
     def _commit_colocated(
         self, lease: Lease, row: dict[str, Any], mode: str, release: bool
     ) -> float:
+        once = mode == "once"
+        if not self.db.is_sqlite:
+            sql = q.PG_COMMIT_COLOCATED.format(
+                set=q.PG_COMMIT_RELEASE_SET if release else q.PG_COMMIT_KEEP_SET
+            )
+            params = {**row, "keys": list(lease.keys), "n": len(lease.keys), "once": once}
+            with self.db.single() as conn:
+                out = conn.execute(q.stmt(sql), params).one()
+            if int(out.owned) != len(lease.keys):
+                raise StaleFencingToken(
+                    lease.key,
+                    lease.token,
+                    self._current_token(lease.key),
+                    "the lease is no longer held by this owner",
+                )
+            if out.accepted_at is None:
+                raise DuplicateResult(
+                    lease.key, None if out.duplicate is None else int(out.duplicate)
+                )
+            return float(out.accepted_at)
         placeholders, names = q.in_list("k", len(lease.keys))
-        own = text(
+        own = q.stmt(
             q.RESULT_OWN_LEASE.format(
                 set=q.RESULT_RELEASE_SET if release else q.RESULT_KEEP_SET, keys=placeholders
             )
         )
-        params: dict[str, Any] = dict(zip(names, lease.keys))
+        params = dict(zip(names, lease.keys))
         params.update(owner_id=lease.owner_id, token=lease.token)
-        duplicate: int | None = None
+        duplicate: DuplicateResult | None = None
         with self.db.transaction() as conn:
             now = self._now(conn)
             owned = len(conn.execute(own, {**params, "now": now}).all())
@@ -344,20 +372,19 @@ class ResultTable:
                     self._current_token(lease.key),
                     "the lease is no longer held by this owner",
                 )
-            if mode == "once":
-                duplicate = conn.execute(text(q.RESULT_DUPLICATE), {"key": lease.key}).scalar()
-            if duplicate is None:
-                self._insert(conn, row, now)
+            try:
+                accepted_at = self._insert(conn, row, once)
+            except DuplicateResult as e:
+                duplicate = e  # the release above still commits
         if duplicate is not None:
-            raise DuplicateResult(lease.key, int(duplicate))
-        return now
+            raise duplicate
+        return accepted_at
 
     def _commit_remote(self, lease: Lease, row: dict[str, Any], mode: str, release: bool) -> float:
         if self.store is None:
             raise LeaseConfigError("a ResultTable needs the lease store to commit leases from it")
         for_update = "" if self.db.is_sqlite else "FOR UPDATE"
-        lock = text(q.RESULT_LOCK_FENCE.format(for_update=for_update))
-        duplicate: int | None = None
+        lock = q.stmt(q.RESULT_LOCK_FENCE.format(for_update=for_update))
         released = False
         try:
             with self.db.transaction() as conn:
@@ -365,7 +392,7 @@ class ResultTable:
                 if fence is None or int(fence) < lease.token:
                     # Never registered (or registration lost): register now, under the lock.
                     conn.execute(
-                        text(q.RAISE_FENCE),
+                        q.stmt(q.RAISE_FENCE),
                         {"key": lease.key, "token": lease.token, "now": self._now(conn)},
                     )
                     conn.execute(lock, {"key": lease.key}).scalar()
@@ -374,11 +401,6 @@ class ResultTable:
                     raise StaleFencingToken(
                         lease.key, lease.token, int(fence), "a newer owner claimed the key"
                     )
-                if mode == "once":
-                    duplicate = conn.execute(text(q.RESULT_DUPLICATE), {"key": lease.key}).scalar()
-                    if duplicate is not None:
-                        conn.rollback()
-                        raise DuplicateResult(lease.key, int(duplicate))
                 # The lease store's answer, while this transaction holds the fence row.
                 still_owner = self.store.release(lease) if release else self.store.renew(lease)
                 released = release and still_owner
@@ -390,13 +412,11 @@ class ResultTable:
                         self.store.fence_token(lease.key),
                         "the lease expired or was taken over before the commit",
                     )
-                now = self._now(conn)
-                self._insert(conn, row, now)
+                return self._insert(conn, row, mode == "once")
         except DuplicateResult:
             if release and not released:
                 self._release_quietly(lease)
             raise
-        return now
 
     def _release_quietly(self, lease: Lease) -> None:
         assert self.store is not None
@@ -419,14 +439,16 @@ class ResultTable:
         Used after a force release, so the evicted owner's guarded writes are refused.
         """
         with self.db.transaction() as conn:
-            conn.execute(text(q.RAISE_FENCE), {"key": key, "token": token, "now": self._now(conn)})
+            conn.execute(
+                q.stmt(q.RAISE_FENCE), {"key": key, "token": token, "now": self._now(conn)}
+            )
 
     # -- reading -----------------------------------------------------------
 
     def fence(self, key: str) -> int | None:
         """The token registered in this database's fence row for ``key``."""
         with self.db.single() as conn:
-            v = conn.execute(text(q.GUARD_CURRENT), {"resource": key}).scalar()
+            v = conn.execute(q.stmt(q.GUARD_CURRENT), {"resource": key}).scalar()
         return None if v is None else int(v)
 
     def get(self, key: str, token: int) -> AcceptedResult | None:
@@ -449,13 +471,13 @@ class ResultTable:
         """Accepted results for ``key``, newest first."""
         with self.db.single() as conn:
             rows = conn.execute(
-                text(q.RESULT_HISTORY), {"key": shorten(key), "tenant": tenant, "limit": limit}
+                q.stmt(q.RESULT_HISTORY), {"key": shorten(key), "tenant": tenant, "limit": limit}
             ).all()
         return [self._result(r) for r in rows]
 
     def _one(self, sql: str, params: Mapping[str, Any]) -> AcceptedResult | None:
         with self.db.single() as conn:
-            row = conn.execute(text(sql), dict(params)).first()
+            row = conn.execute(q.stmt(sql), dict(params)).first()
         return None if row is None else self._result(row)
 
     def _result(self, row: Row[Any]) -> AcceptedResult:
@@ -490,11 +512,11 @@ class ResultTable:
             swept_results = 0
             if result_expires is not None:
                 swept_results = conn.execute(
-                    text(q.SWEEP_RESULTS), {"cutoff": now - result_expires}
+                    q.stmt(q.SWEEP_RESULTS), {"cutoff": now - result_expires}
                 ).rowcount
             cutoff = now - lease_grace
-            conn.execute(text(q.SWEEP_KEEP_FENCES), {"cutoff": cutoff, "now": now})
-            swept_leases = conn.execute(text(q.SWEEP_LEASES), {"cutoff": cutoff}).rowcount
+            conn.execute(q.stmt(q.SWEEP_KEEP_FENCES), {"cutoff": cutoff, "now": now})
+            swept_leases = conn.execute(q.stmt(q.SWEEP_LEASES), {"cutoff": cutoff}).rowcount
         logger.info(
             "swept",
             extra={"action": "sweep", "results": swept_results, "leases": swept_leases},

@@ -21,7 +21,7 @@ from __future__ import annotations
 import builtins
 from typing import Any
 
-from sqlalchemy import Connection, Row, text
+from sqlalchemy import Connection, Row
 
 from celery_lease import db as q
 from celery_lease.exceptions import StoreUnavailable
@@ -54,7 +54,7 @@ class SQLLeaseStore(LeaseStore):
         params.update(owner_id=owner_id, ttl=ttl)
         if not self.db.is_sqlite and len(keys) == 1:
             with self.db.single() as conn:
-                row = conn.execute(text(q.PG_CLAIM_ONE), {**params, "key": keys[0]}).first()
+                row = conn.execute(q.stmt(q.PG_CLAIM_ONE), {**params, "key": keys[0]}).first()
             if row is None:
                 return None
             return Lease(
@@ -87,14 +87,14 @@ class SQLLeaseStore(LeaseStore):
         if self.db.is_sqlite:
             placeholders, names = q.in_list("k", len(keys))
             binds = dict(zip(names, keys))
-            fences = conn.execute(text(q.SELECT_FENCES_IN.format(keys=placeholders)), binds).all()
+            fences = conn.execute(q.stmt(q.SELECT_FENCES_IN.format(keys=placeholders)), binds).all()
         else:
-            conn.execute(text(q.PG_ENSURE_FENCES), {"keys": list(keys)})
-            fences = conn.execute(text(q.PG_LOCK_FENCES), {"keys": list(keys)}).all()
+            conn.execute(q.stmt(q.PG_ENSURE_FENCES), {"keys": list(keys)})
+            fences = conn.execute(q.stmt(q.PG_LOCK_FENCES), {"keys": list(keys)}).all()
             placeholders, names = q.in_list("k", len(keys))
             binds = dict(zip(names, keys))
         now = float(conn.exec_driver_sql(q.SELECT_NOW.format(now=self.db.now_sql)).scalar_one())
-        rows = conn.execute(text(q.SELECT_LEASES_IN.format(keys=placeholders)), binds).all()
+        rows = conn.execute(q.stmt(q.SELECT_LEASES_IN.format(keys=placeholders)), binds).all()
         owner_id = params["owner_id"]
         for row in rows:
             if row.owner_id is not None and row.expires_at > now and row.owner_id != owner_id:
@@ -105,14 +105,14 @@ class SQLLeaseStore(LeaseStore):
         for key in keys:
             granted += len(
                 conn.execute(
-                    text(q.UPSERT_LEASE), {**params, "key": key, "token": token, "now": now}
+                    q.stmt(q.UPSERT_LEASE), {**params, "key": key, "token": token, "now": now}
                 ).all()
             )
         if granted != len(keys):
             conn.rollback()
             return None
         for key in keys:
-            conn.execute(text(q.RAISE_FENCE), {"key": key, "token": token, "now": now})
+            conn.execute(q.stmt(q.RAISE_FENCE), {"key": key, "token": token, "now": now})
         ttl = float(params["ttl"])
         return Lease(primary, keys, owner_id, token, now + ttl, now, ttl, meta)
 
@@ -128,7 +128,7 @@ class SQLLeaseStore(LeaseStore):
                 for lease, ttl in zip(leases, ttls):
                     for key in lease.keys:
                         row = conn.execute(
-                            text(q.RENEW_ONE),
+                            q.stmt(q.RENEW_ONE),
                             {
                                 "key": key,
                                 "owner_id": lease.owner_id,
@@ -153,7 +153,7 @@ class SQLLeaseStore(LeaseStore):
                     cols["tokens"].append(lease.token)
                     cols["ttls"].append(ttl)
             with self.db.single() as conn:
-                for row in conn.execute(text(q.PG_RENEW_MANY), cols):
+                for row in conn.execute(q.stmt(q.PG_RENEW_MANY), cols):
                     renewed[(row.lease_key, row.owner_id, int(row.fencing_token))] = float(
                         row.expires_at
                     )
@@ -167,7 +167,7 @@ class SQLLeaseStore(LeaseStore):
         placeholders, names = q.in_list("k", len(lease.keys))
         params: dict[str, Any] = dict(zip(names, lease.keys))
         params.update(owner_id=lease.owner_id, token=lease.token)
-        stmt = text(q.RELEASE_IN.format(now=self.db.now_sql, keys=placeholders))
+        stmt = q.stmt(q.RELEASE_IN.format(now=self.db.now_sql, keys=placeholders))
         with self.db.single() as conn:
             released = len(conn.execute(stmt, params).all())
         return released == len(lease.keys)
@@ -176,7 +176,7 @@ class SQLLeaseStore(LeaseStore):
 
     def do_inspect(self, key: str) -> LeaseRecord | None:
         with self.db.single() as conn:
-            row = conn.execute(text(q.INSPECT.format(now=self.db.now_sql)), {"key": key}).one()
+            row = conn.execute(q.stmt(q.INSPECT.format(now=self.db.now_sql)), {"key": key}).one()
         if row.lease_key is None:
             if row.fence is None:
                 return None
@@ -187,7 +187,7 @@ class SQLLeaseStore(LeaseStore):
         pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         with self.db.single() as conn:
             rows = conn.execute(
-                text(q.LIST.format(now=self.db.now_sql)), {"pattern": pattern, "expired": expired}
+                q.stmt(q.LIST.format(now=self.db.now_sql)), {"pattern": pattern, "expired": expired}
             ).all()
         # SQLite's LIKE ignores ASCII case: keep only the literal prefix matches.
         return [_record(r) for r in rows if r.lease_key.startswith(prefix)]
@@ -196,17 +196,17 @@ class SQLLeaseStore(LeaseStore):
         before = self.do_inspect(key)
         with self.db.transaction() as conn:
             if not self.db.is_sqlite:
-                conn.execute(text(q.PG_ENSURE_FENCES), {"keys": [key]})
-                conn.execute(text(q.PG_LOCK_FENCES), {"keys": [key]})
+                conn.execute(q.stmt(q.PG_ENSURE_FENCES), {"keys": [key]})
+                conn.execute(q.stmt(q.PG_LOCK_FENCES), {"keys": [key]})
             now = self._now(conn)
-            token = int(conn.execute(text(q.FENCE_TOKEN), {"key": key}).scalar_one())
-            conn.execute(text(q.EVICT), {"key": key, "now": now})
-            conn.execute(text(q.RAISE_FENCE), {"key": key, "token": token + 1, "now": now})
+            token = int(conn.execute(q.stmt(q.FENCE_TOKEN), {"key": key}).scalar_one())
+            conn.execute(q.stmt(q.EVICT), {"key": key, "now": now})
+            conn.execute(q.stmt(q.RAISE_FENCE), {"key": key, "token": token + 1, "now": now})
         return before if before is not None and before.live else None
 
     def do_fence_token(self, key: str) -> int:
         with self.db.single() as conn:
-            return int(conn.execute(text(q.FENCE_TOKEN), {"key": key}).scalar_one())
+            return int(conn.execute(q.stmt(q.FENCE_TOKEN), {"key": key}).scalar_one())
 
     def do_time(self) -> float:
         return self.db.now()
