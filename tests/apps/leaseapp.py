@@ -88,8 +88,14 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
             raise self.retry(countdown=0.2, max_retries=1)
         return value
 
+    @app.task(shared=False, name="leaseapp.collect")
+    def collect(results: list[Any]) -> list[Any]:
+        """A plain chord callback: what the members returned, in order."""
+        return results
+
     tasks.bad_return = bad_return
     tasks.retry_once = retry_once
+    tasks.collect = collect
     return app, tasks
 
 
