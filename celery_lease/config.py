@@ -46,7 +46,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "lease_store_url": (
         None,
         "where leases live: redis://, rediss://, postgresql+psycopg://, "
-        "sqlite:/// (default: the embedded SQLite file)",
+        "sqlite:///, etcd://host:port[,host:port...] or etcds:// (default: the "
+        "embedded SQLite file)",
     ),
     "lease_result_url": (
         None,
@@ -79,7 +80,8 @@ SETTINGS: dict[str, tuple[Any, str]] = {
     "lease_metrics_port": (None, "serve Prometheus metrics from the worker on this port"),
     "lease_store_options": (
         None,
-        "extra keyword arguments for the store's client (e.g. TLS options for rediss://)",
+        "extra keyword arguments for the store's client (e.g. TLS options for rediss:// "
+        "or etcds://)",
     ),
 }
 DEFAULTS = {name: default for name, (default, _) in SETTINGS.items()}
@@ -322,7 +324,18 @@ def _parse_url(name: str, value: str, scheme: str) -> None:
 
 
 def _check_store_options(store_url: str, options: dict[str, Any], key_prefix: str) -> None:
-    """``lease_store_options`` are the Redis client's keyword arguments; check them now."""
+    """``lease_store_options`` are the Redis client's keyword arguments; check them now.
+
+    An etcd store is built (no I/O) even without options, so a malformed
+    ``etcd://`` URL or a missing certificate file fails at worker start.
+    """
+    if store_url.split("://", 1)[0].lower() in ("etcd", "etcds"):
+        from celery_lease.stores.base import LeaseStore
+
+        if "key_prefix" in options:
+            raise LeaseConfigError("set lease_key_prefix, not lease_store_options['key_prefix']")
+        LeaseStore.from_url(store_url, key_prefix=key_prefix, **options).close()
+        return
     if not options:
         return
     bad = [k for k in options if not isinstance(k, str)]

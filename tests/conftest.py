@@ -52,6 +52,7 @@ MARKERS = {
     "redis": "needs the private Redis server",
     "postgres": "needs the private PostgreSQL cluster",
     "rabbitmq": "needs the private RabbitMQ node",
+    "etcd": "needs a private etcd cluster (tests/etcd_cluster.py)",
     "packaging": "installs the package into a fresh virtualenv (deselect: -m 'not packaging')",
 }
 

@@ -19,6 +19,7 @@ from celery_lease import LeaseRecord, LeaseStore
 from tests.servers import wait_for
 
 __all__ = [
+    "ALL_STORE_KINDS",
     "CLIENT",
     "PYTHON",
     "STORE_KINDS",
@@ -31,6 +32,9 @@ __all__ = [
 
 #: The three stores every suite runs against.
 STORE_KINDS = ("redis", "postgres", "sqlite")
+#: Those and etcd (a 3-member cluster), for the suites that import the
+#: ``etcd_url`` fixture from ``tests/etcd_cluster.py`` (the store contract).
+ALL_STORE_KINDS = (*STORE_KINDS, pytest.param("etcd", marks=pytest.mark.etcd))
 
 #: The subprocess client (run as a script, so it needs no ``tests`` package).
 CLIENT = str(Path(__file__).with_name("lease_client.py"))
@@ -50,6 +54,8 @@ def store_url(request: pytest.FixtureRequest, kind: str) -> str:
             _migrated.add(url)
     elif kind == "sqlite":
         url = request.getfixturevalue("sqlite_url")
+    elif kind == "etcd":
+        url = request.getfixturevalue("etcd_url")
     else:  # pragma: no cover - a typo in a parametrization
         raise ValueError(kind)
     return url
@@ -68,11 +74,24 @@ def wait_until_expired(
     Sleeps the remaining store time (the one place a sleep is the point),
     then polls the store clock until it is past ``expires_at``; the caller
     still asserts what ``inspect`` says.
+
+    A store that frees keys some time after their expiry (etcd: the leader
+    revokes expired leases from a 500 ms loop) declares that bound as
+    ``expiry_lag``: then this polls ``inspect`` until the key is no longer
+    live, for at most that long past ``expires_at`` (a slower release fails).
     """
     remaining = expires_at - store.time()
     if remaining > 0:
         time.sleep(remaining)
     wait_for(lambda: store.time() > expires_at, timeout, f"store time past {expires_at}")
+    lag = float(getattr(store, "expiry_lag", 0.0))
+    if lag:
+        deadline = expires_at + lag
+        while store.time() < deadline:
+            record = store.inspect(key)
+            if record is None or not record.live:
+                return record
+            time.sleep(0.02)
     return store.inspect(key)
 
 
