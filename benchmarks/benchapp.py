@@ -1,0 +1,232 @@
+"""The Celery app the per-task benchmarks run in real workers, configured from env vars.
+
+``BENCH_KIND`` picks the contender; every kind registers one task,
+``bench.noop(i)``, whose body does nothing. A ``task_postrun`` handler (which
+runs after the contender's own bookkeeping: commit, unlock, ...) appends the
+completion time to ``$BENCH_TIMES_DIR/times-<pid>`` as a fixed-width line, so
+the driver counts completions with ``stat`` and reads timestamps at the end.
+
+Variables:
+
+- ``BENCH_BROKER``: broker URL (Redis)
+- ``BENCH_QUEUE``: queue name (one per run)
+- ``BENCH_KIND``: ``plain`` | ``once`` | ``singleton`` | ``fencekit`` | ``leased``
+- ``BENCH_LOCK_REDIS``: the Redis the peers keep their locks in
+- ``BENCH_STORE`` / ``BENCH_RESULTS``: ``lease_store_url`` / ``lease_result_url`` (leased);
+  ``BENCH_LEASE_COMMIT=0``: ``lease_commit=False``
+- ``BENCH_TIMES_DIR``: where completion times go
+- ``BENCH_SQL_TRACE``: count SQLite statements (the count is written with each time)
+- ``BENCH_PROFILE``: cProfile the tasks of a solo worker, dump stats there at shutdown
+  (``BENCH_PROFILE_SKIP``: after that many warm-up tasks; ``BENCH_PROFILE_UNTIL``: stop
+  after that many tasks)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from celery import Celery
+from celery.signals import task_postrun, task_prerun, worker_shutdown
+
+#: bytes per line in the times files: "%17.6f %9d\n"
+LINE = 28
+_fd: dict[int, int] = {}
+_sql_statements = [0]
+_LITERAL = re.compile(r"'(?:[^']|'')*'|(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?(?![\w.])")
+_sql_by_statement: dict[str, int] = {}
+_completed = [0]
+
+
+def build(environ: Mapping[str, str]) -> tuple[Celery, Any]:
+    env = environ.get
+    kind = env("BENCH_KIND", "plain")
+    queue = env("BENCH_QUEUE", "bench")
+    app = Celery(f"bench_{kind}", broker=env("BENCH_BROKER", "redis://127.0.0.1:6379/0"))
+    app.conf.update(
+        result_backend=None,
+        task_ignore_result=True,
+        task_default_queue=queue,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=4,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        task_send_sent_event=False,
+        worker_send_task_events=False,
+    )
+    lock_redis = env("BENCH_LOCK_REDIS", "redis://127.0.0.1:6379/1")
+    name = "bench.noop"
+
+    if kind == "plain":
+
+        @app.task(name=name, shared=False)
+        def noop(i: int) -> None:
+            return None
+
+    elif kind == "once":
+        import celery_once.backends.redis as once_redis
+        from celery_once import QueueOnce
+
+        once_redis.redis = None  # it caches the first URL's client for the whole process
+
+        app.conf.ONCE = {
+            "backend": "celery_once.backends.Redis",
+            "settings": {"url": lock_redis, "default_timeout": 3600},
+        }
+
+        @app.task(name=name, shared=False, base=QueueOnce, once={"graceful": False})
+        def noop(i: int) -> None:
+            return None
+
+    elif kind == "singleton":
+        import celery_singleton.backends as singleton_backends
+        from celery_singleton import Singleton
+
+        singleton_backends._backend = None  # it caches the first URL's backend per process
+
+        app.conf.singleton_backend_url = lock_redis
+        app.conf.singleton_lock_expiry = 3600
+
+        @app.task(name=name, shared=False, base=Singleton)
+        def noop(i: int) -> None:
+            return None
+
+    elif kind == "fencekit":
+        import redis
+        from fencekit import DistributedLock, IdempotencyGuard
+        from fencekit.celery import idempotent_task
+
+        client = redis.Redis.from_url(lock_redis, decode_responses=True)
+        guard = IdempotencyGuard(client)
+        lock = DistributedLock(client)
+
+        @app.task(name=name, shared=False, bind=True)
+        @idempotent_task(
+            guard,
+            lock,
+            key=lambda i: f"bench-{i}",
+            lock_resource=lambda i: f"bench-{i}",
+            idempotency_ttl=timedelta(hours=1),
+            lock_ttl=timedelta(seconds=30),
+        )
+        def noop(self: Any, i: int) -> None:
+            return None
+
+    elif kind == "leased":
+        from celery_lease import LeasedTask
+
+        app.conf.update(
+            lease_store_url=env("BENCH_STORE"),
+            lease_result_url=env("BENCH_RESULTS"),
+            lease_ttl=30,
+        )
+
+        # bench.noop(i) -> key "bench-<i>": a distinct key per task
+        @app.task(
+            name=name,
+            shared=False,
+            base=LeasedTask,
+            bind=True,
+            lease_key="bench-{i}",
+            lease_commit=env("BENCH_LEASE_COMMIT", "1") != "0",
+        )
+        def noop(self: Any, i: int) -> None:
+            return None
+
+    else:
+        raise ValueError(f"unknown BENCH_KIND {kind!r}")
+
+    if env("BENCH_SQL_TRACE"):
+        _install_sql_trace()
+    return app, noop
+
+
+def _install_sql_trace() -> None:
+    """Count every statement SQLite runs (BEGIN and COMMIT included)."""
+    import sqlite3
+
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    def count(stmt: str) -> None:
+        _sql_statements[0] += 1
+        # the trace callback sees the SQL with its parameters expanded: fold them back
+        head = _LITERAL.sub("?", " ".join(stmt.split()))[:120]
+        _sql_by_statement[head] = _sql_by_statement.get(head, 0) + 1
+
+    @event.listens_for(Engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        if isinstance(dbapi_connection, sqlite3.Connection):
+            dbapi_connection.set_trace_callback(count)
+
+
+def _write_time(**_: Any) -> None:
+    pid = os.getpid()
+    fd = _fd.get(pid)
+    if fd is None:
+        path = os.path.join(os.environ["BENCH_TIMES_DIR"], f"times-{pid}")
+        fd = _fd[pid] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.write(fd, b"%17.6f %9d\n" % (time.time(), _sql_statements[0]))
+    if os.environ.get("BENCH_SQL_TRACE"):
+        # counting runs only: the per-statement histogram after warm-up and at the end
+        _completed[0] += 1
+        directory = os.environ["BENCH_TIMES_DIR"]
+        data = json.dumps(_sql_by_statement)
+        if _completed[0] == int(os.environ.get("BENCH_SQL_WARM", "0")):
+            with open(os.path.join(directory, f"sqlhist-warm-{pid}.json"), "w") as fh:
+                fh.write(data)
+        with open(os.path.join(directory, f"sqlhist-last-{pid}.json"), "w") as fh:
+            fh.write(data)
+
+
+_profiler: Any = None
+
+
+_prerun = [0]
+
+
+def _start_profile(**_: Any) -> None:
+    """Start profiling at the task after ``BENCH_PROFILE_SKIP`` warm-up tasks."""
+    global _profiler
+    _prerun[0] += 1
+    if _prerun[0] <= int(os.environ.get("BENCH_PROFILE_SKIP", "0")):
+        return
+    if _profiler is None and os.environ.get("BENCH_PROFILE"):
+        import cProfile
+
+        _profiler = cProfile.Profile()
+        _profiler.enable()
+
+
+_postrun = [0]
+
+
+def _dump_profile(**_: Any) -> None:
+    global _profiler
+    if _profiler is not None:
+        _profiler.disable()
+        _profiler.dump_stats(os.environ["BENCH_PROFILE"])
+        _profiler = None
+
+
+def _stop_profile(**_: Any) -> None:
+    """Stop and dump after task ``BENCH_PROFILE_UNTIL`` (so idle time is not profiled)."""
+    _postrun[0] += 1
+    if _postrun[0] == int(os.environ.get("BENCH_PROFILE_UNTIL", "0")):
+        _dump_profile()
+
+
+if os.environ.get("BENCH_TIMES_DIR"):
+    task_postrun.connect(_write_time, weak=False, dispatch_uid="bench.times")
+if os.environ.get("BENCH_PROFILE"):
+    task_prerun.connect(_start_profile, weak=False, dispatch_uid="bench.profile")
+    task_postrun.connect(_stop_profile, weak=False, dispatch_uid="bench.profile.stop")
+    worker_shutdown.connect(_dump_profile, weak=False, dispatch_uid="bench.profile.dump")
+
+app, noop = build(os.environ) if os.environ.get("BENCH_KIND") else (None, None)

@@ -1,0 +1,277 @@
+"""Real ``celery worker`` runs of the bench app: enqueue, start, drain, stop, read the times."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks import benchapp
+from benchmarks.common import ROOT, Env, log
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One per-task contender."""
+
+    key: str
+    label: str
+    kind: str  # BENCH_KIND
+    store: str | None = None  # "redis" | "pg" | "sqlite"
+    results: str | None = None
+    peer: bool = False
+    ours: bool = False
+    commit: bool = True  # LeasedTask's lease_commit
+
+
+KINDS = [
+    Kind("plain", "plain `@app.task`", "plain"),
+    Kind("once", "celery-once `QueueOnce`", "once", peer=True),
+    Kind("singleton", "celery-singleton `Singleton`", "singleton", peer=True),
+    Kind(
+        "fencekit",
+        "fencekit `idempotent_task` (IdempotencyGuard + DistributedLock)",
+        "fencekit",
+        peer=True,
+    ),
+    Kind("leased-redis-pg", "`LeasedTask`: Redis store + PostgreSQL results", "leased",
+         "redis", "pg", ours=True),
+    Kind("leased-pg-pg", "`LeasedTask`: PostgreSQL store + PostgreSQL results", "leased",
+         "pg", "pg", ours=True),
+    Kind("leased-sqlite", "`LeasedTask`: SQLite store + SQLite results", "leased",
+         "sqlite", "sqlite", ours=True),
+    Kind("leased-redis-nocommit", "`LeasedTask`: Redis store, `lease_commit=False` (lease "
+         "only, no result; for comparison, not a target)", "leased", "redis", "pg",
+         commit=False),
+]  # fmt: skip
+
+
+@dataclass
+class Targets:
+    """The stores one benchmark's runs use (shared by its runs, fresh per benchmark)."""
+
+    env: Env
+    db: int  # Redis database number: broker (broker server) and locks/leases (store server)
+    pg_redis_results: str | None = None  # results for the Redis store
+    pg_both: str | None = None  # PostgreSQL store + results
+    sqlite: str | None = None
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def make(cls, env: Env, name: str) -> Targets:
+        t = cls(env, env.redis_db())
+        if env.has_pg:
+            t.pg_redis_results = env.pg_database(f"{name}_rp")
+            t.pg_both = env.pg_database(f"{name}_pp")
+        t.sqlite = env.sqlite_url(name)
+        return t
+
+    def close(self) -> None:
+        for url in (self.pg_redis_results, self.pg_both):
+            if url:
+                with contextlib.suppress(Exception):
+                    self.env.pg_drop(url)
+
+    def available(self, k: Kind) -> str | None:
+        """None if ``k`` can run here, else why not."""
+        if "pg" in (k.store, k.results) and not self.env.has_pg:
+            return "no PostgreSQL"
+        if k.kind in ("once", "singleton", "fencekit"):
+            return probe_peer(k.kind)
+        return None
+
+    def variables(self, k: Kind, queue: str, times_dir: Path) -> dict[str, str]:
+        v = {
+            "BENCH_KIND": k.kind,
+            "BENCH_BROKER": self.env.broker_url(self.db),
+            "BENCH_QUEUE": queue,
+            "BENCH_LOCK_REDIS": self.env.store_url(self.db),
+            "BENCH_TIMES_DIR": str(times_dir),
+        }
+        if k.kind == "leased":
+            store = {
+                "redis": self.env.store_url(self.db),
+                "pg": self.pg_both,
+                "sqlite": self.sqlite,
+            }[k.store or ""]
+            results = {"pg": self.pg_redis_results if k.store == "redis" else self.pg_both,
+                       "sqlite": self.sqlite}[k.results or ""]  # fmt: skip
+            v["BENCH_STORE"] = str(store)
+            v["BENCH_RESULTS"] = str(results)
+            if not k.commit:
+                v["BENCH_LEASE_COMMIT"] = "0"
+        return v
+
+
+_probe_cache: dict[str, str | None] = {}
+
+
+def probe_peer(kind: str) -> str | None:
+    """Import the peer and build its app: None if it works with the installed Celery/redis-py."""
+    if kind not in _probe_cache:
+        try:
+            benchapp.build({"BENCH_KIND": kind, "BENCH_QUEUE": "probe"})
+            _probe_cache[kind] = None
+        except Exception as e:  # noqa: BLE001 - reported as a skipped contender
+            _probe_cache[kind] = f"{type(e).__name__}: {e}"
+    return _probe_cache[kind]
+
+
+_runs = itertools.count()
+
+
+@dataclass
+class RunResult:
+    n: int
+    completed: int
+    rate: float  # tasks per second, first to last completion
+    enqueue_rate: float
+    drain_seconds: float
+    times: list[tuple[float, int]]
+    error: str | None = None
+
+
+class WorkerRun:
+    """One worker of the bench app over one queue."""
+
+    def __init__(
+        self,
+        targets: Targets,
+        kind: Kind,
+        pool: str,
+        *,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.targets = targets
+        self.kind = kind
+        self.pool = pool
+        self.id = f"{os.getpid()}-{next(_runs)}"
+        self.queue = f"bench-{self.id}"
+        self.dir = targets.env.tmpdir / f"run-{self.id}"
+        self.times_dir = self.dir / "times"
+        self.times_dir.mkdir(parents=True)
+        self.vars = targets.variables(kind, self.queue, self.times_dir)
+        self.vars.update(extra_env or {})
+        self.app, self.task = benchapp.build(self.vars)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.dir / "worker.log"
+        self._arg = itertools.count()
+
+    def enqueue(self, n: int) -> float:
+        """Publish n tasks with distinct arguments (so distinct keys); returns tasks/s."""
+        t0 = time.perf_counter()
+        with self.app.producer_or_acquire() as producer:
+            for _ in range(n):
+                self.task.apply_async((f"{self.id}-{next(self._arg)}",), producer=producer)
+        return n / (time.perf_counter() - t0)
+
+    def start(self) -> None:
+        from tests.servers import _spawn
+
+        argv = [
+            sys.executable, "-m", "celery", "-A", "benchmarks.benchapp", "worker",
+            "-P", self.pool, "-c", "2" if self.pool == "prefork" else "1",
+            "-Q", self.queue, "-n", f"bench-{self.id}@localhost", "-l", "WARNING",
+            "--without-mingle", "--without-gossip", "--without-heartbeat",
+        ]  # fmt: skip
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
+        environ.update(PYTHONPATH=str(ROOT), **self.vars)
+        with open(self.log_path, "ab") as fh:
+            self.proc = _spawn(argv, log=fh, env=environ, cwd=str(ROOT))
+
+    def completed(self) -> int:
+        total = 0
+        for f in self.times_dir.glob("times-*"):
+            with contextlib.suppress(OSError):
+                total += f.stat().st_size
+        return total // benchapp.LINE
+
+    def wait(self, n: int, timeout: float) -> str | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            done = self.completed()
+            if done >= n:
+                return None
+            if self.proc is not None and self.proc.poll() is not None:
+                return f"worker exited with {self.proc.returncode}: {self.log_tail()}"
+            if time.monotonic() > deadline:
+                return f"timed out after {timeout:.0f} s with {done}/{n} done: {self.log_tail()}"
+            time.sleep(0.02)
+
+    def stop(self, *, warm: bool = False) -> None:
+        """SIGKILL the worker's process group; ``warm``: SIGTERM first and wait
+        (a warm shutdown runs the shutdown signals, e.g. to dump a profile)."""
+        proc = self.proc
+        if proc is None:
+            return
+        if warm and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10)
+        self.proc = None
+
+    def times(self) -> list[tuple[float, int]]:
+        out: list[tuple[float, int]] = []
+        for f in self.times_dir.glob("times-*"):
+            for line in f.read_text().splitlines():
+                t, c = line.split()
+                out.append((float(t), int(c)))
+        out.sort()
+        return out
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def cleanup(self) -> None:
+        self.stop()
+        with contextlib.suppress(Exception):
+            self.app.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def drain(targets: Targets, kind: Kind, pool: str, n: int, **kwargs: Any) -> RunResult:
+    """Enqueue n tasks, then start a worker and time it from first to last completion."""
+    run = WorkerRun(targets, kind, pool, **kwargs)
+    try:
+        t0 = time.monotonic()
+        enq = run.enqueue(n)
+        t1 = time.monotonic()
+        run.start()
+        error = run.wait(n, timeout=max(90.0, n / 20))
+        t2 = time.monotonic()
+        run.stop()
+        log(
+            f"{kind.key}/{pool}: enqueue {t1 - t0:.2f} s, start+drain {t2 - t1:.2f} s, "
+            f"stop {time.monotonic() - t2:.2f} s"
+        )
+        times = run.times()
+        if error:
+            log(f"{kind.key}/{pool}: {error}")
+        if len(times) >= 2 and times[-1][0] > times[0][0]:
+            span = times[-1][0] - times[0][0]
+            rate = (len(times) - 1) / span
+        else:
+            span, rate = float("nan"), float("nan")
+        return RunResult(n, len(times), rate, enq, span, times, error)
+    finally:
+        run.cleanup()

@@ -1,0 +1,63 @@
+"""The quick benchmark pass runs end to end and writes every table.
+
+It asserts nothing about speed: only that ``python -m benchmarks --quick``
+exits 0 within two minutes and that BENCHMARKS.md has every benchmark's
+table (the full run is ``python -m benchmarks --out BENCHMARKS.md``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: each benchmark's heading and a header row its table must have
+EXPECTED = {
+    "## 1. Lease primitives": "| store | contender | pairs/s (median) |",
+    "## 2. Per task through a real worker": "| pool | contender | tasks/s (median) |",
+    "## 3. Round trips per task, counted": "| contender | publish side: Redis |",
+    "## 4. Renewal scaling": "| leases | store | round trips per cycle |",
+    "## 5. Contention: 32 processes on one key": "| store | contender | grants/s |",
+    "## 6. Growth": "| configuration | live leases + results | claim p50 |",
+}
+
+
+@pytest.mark.timeout(240)
+def test_quick_benchmarks_write_every_table(tmp_path: Path) -> None:
+    out = tmp_path / "BENCHMARKS.md"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
+    env["PYTHONPATH"] = str(ROOT)
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=230,
+        check=False,
+    )
+    took = time.monotonic() - started
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"
+    assert took < 120, f"the quick pass took {took:.0f} s (budget: 120 s)"
+    text = out.read_text()
+    for heading, header in EXPECTED.items():
+        assert heading in text, f"missing section {heading!r}"
+        section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+        assert header in section, f"{heading}: missing its table ({header!r})"
+        rows = [
+            line
+            for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| ---")
+        ]
+        assert len(rows) >= 3, f"{heading}: the table has no rows"
+        assert "This benchmark failed" not in section, section[:3000]
+    for fact in ("| nproc |", "| CPU |", "| python |", "| celery |", "| Redis server |",
+                 "| PostgreSQL server |", "Command: `"):  # fmt: skip
+        assert fact in text, f"machine facts: missing {fact!r}"
