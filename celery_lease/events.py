@@ -42,7 +42,11 @@ def send(app: Celery, state: str, *, task_id: str, hostname: str | None, **field
     try:
         with app.events.default_dispatcher(hostname=hostname) as dispatcher:
             dispatcher.send(f"task-{state}", uuid=task_id, **fields)
-    except (KombuError, OSError) as e:
+    except broker_errors(app) as e:
+        # A pooled connection that breaks mid-publish (the broker restarted)
+        # raises the transport's own error (redis-py's ConnectionError), not
+        # kombu's: that must not fail a task whose outcome is decided already.
+        # (The tuple is only computed once something was raised.)
         logger.warning(
             "could not send %s event for %s: %s",
             state,
@@ -50,3 +54,18 @@ def send(app: Celery, state: str, *, task_id: str, hostname: str | None, **field
             e,
             extra={"action": "event_failed", "task_id": task_id},
         )
+
+
+def broker_errors(app: Celery) -> tuple[type[BaseException], ...]:
+    """Errors of a broker hiccup: kombu's, the OS's and the transport's own."""
+    errors: tuple[type[BaseException], ...] | None = getattr(
+        app, "_celery_lease_broker_errors", None
+    )
+    if errors is None:
+        conn = app.connection_for_write()
+        try:
+            errors = (KombuError, OSError, *conn.connection_errors, *conn.channel_errors)
+        finally:
+            conn.release()
+        app._celery_lease_broker_errors = errors
+    return errors

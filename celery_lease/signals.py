@@ -42,6 +42,7 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
 
         cfg = config(worker.app)
         check_tasks(worker.app, cfg)
+        warn_unconfirmed_publish(worker.app)
         if cfg.metrics_port is not None:
             from celery_lease import metrics_server
 
@@ -56,6 +57,28 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             from celery_lease import metrics_server
 
             metrics_server.start(cfg.metrics_port)
+
+
+def warn_unconfirmed_publish(app: Any) -> bool:
+    """Warn (and return True) for an AMQP broker without publisher confirms.
+
+    A deferral re-publishes the task, then acks the message it came in: the
+    work moves from one message to the other. RabbitMQ may lose a message it
+    has not confirmed (a crash right after the publish), and with it the
+    task; ``broker_transport_options={"confirm_publish": True}`` makes the
+    publish return only once the broker has it.
+    """
+    url = str(app.conf.broker_url or "")
+    options = app.conf.broker_transport_options or {}
+    if not url.startswith(("amqp", "pyamqp")) or options.get("confirm_publish"):
+        return False
+    logger.warning(
+        "celery-lease: the AMQP broker runs without publisher confirms; a deferred task "
+        "can be lost if RabbitMQ crashes right after its re-publish. Set "
+        'broker_transport_options = {"confirm_publish": True}',
+        extra={"action": "config_warning"},
+    )
+    return True
 
 
 def check_tasks(app: Any, cfg: Config) -> None:

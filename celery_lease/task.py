@@ -35,8 +35,9 @@ from datetime import datetime, timezone
 from typing import Any, ClassVar, NoReturn
 
 from celery import Task
-from celery.exceptions import Ignore, Retry
-from celery.states import STARTED
+from celery.backends.base import DisabledBackend
+from celery.exceptions import Ignore, Reject, Retry
+from celery.states import FAILURE, STARTED
 
 from celery_lease import events, metrics
 from celery_lease.config import (
@@ -81,7 +82,7 @@ class Runtime:
 
     def __init__(self, cfg: Config) -> None:
         options = dict(cfg.store_options)
-        if cfg.store_url.split("://", 1)[0] in ("redis", "rediss", "unix"):
+        if cfg.store_url.split("://", 1)[0] in ("redis", "rediss", "unix", "etcd", "etcds"):
             options.setdefault("key_prefix", cfg.key_prefix)
         self.store: LeaseStore = LeaseStore.from_url(cfg.store_url, **options)
         self.results = ResultTable(cfg.result_url, self.store, max_bytes=cfg.result_max_bytes)
@@ -456,9 +457,33 @@ class _Execution:
             metrics.claims.labels("redelivery").inc()
             self.event(events.LEASE_REJECTED, reason="redelivery of an accepted task")
             raise Ignore()
+        if self._ended_with_a_lease_outcome():
+            # Likewise a late copy (a restored message, a deferred copy) of a task
+            # that an execution already ended as FENCED, LEASE_LOST, duplicate...:
+            # run again, it would turn a final FAILURE into SUCCESS after the fact.
+            self.release()
+            metrics.claims.labels("redelivery").inc()
+            self.event(events.LEASE_REJECTED, reason="redelivery of a task that already ended")
+            raise Ignore()
         if prepared.duplicate_token is not None:
             self.release()
             self.duplicate(DuplicateResult(self.key, prepared.duplicate_token))
+
+    def _ended_with_a_lease_outcome(self) -> bool:
+        """True if this task id's backend state is a FAILURE celery-lease decided."""
+        backend = self.task.backend
+        if self._ignore_result() or isinstance(backend, DisabledBackend):
+            return False
+        errors = (
+            OSError,
+            *getattr(backend, "connection_errors", ()),
+            *getattr(backend, "channel_errors", ()),
+        )
+        try:
+            meta = backend.get_task_meta(self.task_id, cache=False)
+        except errors:
+            return False  # cannot tell: run (the commit is fenced anyway)
+        return meta.get("status") == FAILURE and isinstance(meta.get("result"), LeaseError)
 
     # -- the commit ----------------------------------------------------------------
 
@@ -573,15 +598,14 @@ class _Execution:
             # held past its visibility timeout.
             countdown = min(countdown, vt / 2)
         defer_id = getattr(self.req, HEADER_DEFER_ID, None) or uuid.uuid4().hex
+        marker = DEFER_MARKER + self.task_id
+        # The marker says "a copy of this chain is queued", so it is set only
+        # *after* the copy is published: set before, a worker dying in between
+        # left a marker with no copy behind it, and the redelivered message
+        # was then dropped as a duplicate of a copy that did not exist.
         try:
-            queued_elsewhere = (
-                self.rt.store.claim(
-                    DEFER_MARKER + self.task_id,
-                    ttl=countdown + max(self.opts.ttl, 10.0),
-                    owner_id=defer_id,
-                )
-                is None
-            )
+            record = self.rt.store.inspect(marker)
+            queued_elsewhere = record is not None and record.live and record.owner_id != defer_id
         except StoreUnavailable:
             queued_elsewhere = False  # cannot check: a second copy beats losing the work
         if queued_elsewhere:
@@ -616,7 +640,28 @@ class _Execution:
         sig = self.task.signature_from_request(
             self.req, self.args, self.kwargs, headers=headers, **when
         )
-        sig.apply_async()
+        try:
+            sig.apply_async()
+        except events.broker_errors(self.app) as e:
+            # The copy could not be handed to the broker (it is restarting): give
+            # this message back instead of ending the task FAILURE (or acking the
+            # work away); the broker delivers it again once it is back. Without
+            # acks_late the message is gone already: let the error stand.
+            if not self.task.acks_late:
+                raise
+            logger.warning(
+                "could not re-publish %s (%s): message requeued",
+                self.task_id,
+                e,
+                extra={"action": "republish_failed", "task_id": self.task_id},
+            )
+            raise Reject(e, requeue=True) from e
+        try:
+            self.rt.store.claim(
+                marker, ttl=countdown + max(self.opts.ttl, 10.0), owner_id=defer_id
+            )  # None: another chain marked meanwhile; two copies are harmless
+        except StoreUnavailable:
+            pass
         self.event(events.LEASE_DEFERRED, countdown=round(countdown, 3), reason=reason)
         raise Ignore()
 

@@ -1,0 +1,634 @@
+"""``python -m tests.chaos``: the fault-injection run, end to end.
+
+1. Start private servers and N supervised workers (:mod:`tests.chaos.cluster`).
+2. Submit M tasks over K keys (``exclusive`` and ``once`` keys, ``once``
+   tasks with both duplicate policies), spread over the first 70 % of the
+   run, bodies from 0.05 s to 3 x the TTL (so renewal matters).
+3. Inject faults at random (seeded) for ``--duration`` seconds
+   (:mod:`tests.chaos.faults`).
+4. Heal, then let the system settle: wait (bounded by ``--settle``) until
+   every task id has a final backend state and the broker holds no message.
+5. Stop the workers; read the history, ``celery_lease_results``,
+   ``chaos_protected``, the result backend and the broker's AOF; run the
+   checker (:mod:`tests.chaos.checker`); print the figures table; exit 1 on
+   any violation or task lost by the plugin.
+
+Reproduce a run with the same ``--seed`` and options (fault times and task
+timing vary with the machine; the plan and the fault sequence do not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+from sqlalchemy import create_engine, text
+
+from tests.chaos import aof
+from tests.chaos.checker import (
+    FINAL,
+    Accepted,
+    Attempt,
+    Backend,
+    History,
+    Protected,
+    Report,
+    Submission,
+    check,
+)
+from tests.chaos.cluster import Cluster
+from tests.chaos.faults import KINDS, Injector
+
+__all__ = ["Options", "RunResult", "main", "run"]
+
+
+@dataclass
+class Options:
+    duration: float = 120.0
+    seed: int = 7
+    workers: int = 4
+    concurrency: int = 2
+    tasks: int = 300
+    keys: int = 12
+    broker: str = "redis"
+    ttl: float = 4.0
+    vt: float = 10.0
+    fault_rate: float = 0.2
+    settle: float = 240.0
+    kinds: tuple[str, ...] = KINDS
+    workdir: Path | None = None
+    quiet: bool = False
+
+
+@dataclass
+class RunResult:
+    report: Report
+    figures: dict[str, Any]
+    table: str
+    workdir: Path
+    settled: bool
+    wall: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.report.ok
+
+
+# -- the plan ---------------------------------------------------------------
+
+
+def plan(opts: Options) -> list[dict[str, Any]]:
+    """The seeded submission plan: when, which task id, key, policy, duration."""
+    rng = random.Random(opts.seed)
+    n_once = max(1, round(opts.keys * 0.35))
+    n_excl = max(1, opts.keys - n_once)
+    excl = [f"x{i:02d}" for i in range(n_excl)]
+    once = [f"o{i:02d}" for i in range(n_once)]
+    window = opts.duration * 0.7
+    out = []
+    for n in range(opts.tasks):
+        r = rng.random()
+        if r < 0.7:
+            policy, key = "exclusive", rng.choice(excl)
+        else:
+            policy = "once" if rng.random() < 0.5 else "once_return"
+            key = rng.choice(once)
+        d = rng.random()
+        if d < 0.55:
+            duration = rng.uniform(0.05, 1.0)
+        elif d < 0.85:
+            duration = rng.uniform(1.0, opts.ttl)
+        else:
+            duration = rng.uniform(opts.ttl, 3 * opts.ttl)
+        out.append(
+            {
+                "n": n,
+                "at": window * n / max(1, opts.tasks),
+                "task_id": str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+                "key": key,
+                "policy": policy,
+                "duration": round(duration, 3),
+            }
+        )
+    # Every key gets work even in tiny runs.
+    for i, key in enumerate(excl + once):
+        if i < len(out) and key not in {p["key"] for p in out}:
+            out[i]["key"] = key
+            out[i]["policy"] = "exclusive" if key.startswith("x") else "once"
+    return out
+
+
+# -- the run ----------------------------------------------------------------
+
+
+class BackendMonitor:
+    """Every state the result backend stores, as it is stored.
+
+    Celery's Redis backend publishes each stored meta on the channel named
+    like its key (``celery-task-meta-<id>``); subscribing to the pattern
+    shows every write, not only the last one, so a final state that is
+    later overwritten (FAILURE, then SUCCESS) is seen.
+    """
+
+    def __init__(self, url: str, path: Path) -> None:
+        self.url = url
+        self.path = path
+        self.states: dict[str, list[Backend]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="backend-monitor", daemon=True)
+        self.subscribed = threading.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self.subscribed.wait(30):
+            raise RuntimeError("could not subscribe to the result backend")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            client = redis.Redis.from_url(self.url)
+            try:
+                pubsub = client.pubsub(ignore_subscribe_messages=True)
+                pubsub.psubscribe("celery-task-meta-*")
+                self.subscribed.set()
+                with open(self.path, "a") as fh:
+                    while not self._stop.is_set():
+                        msg = pubsub.get_message(timeout=0.5)
+                        if msg is None or msg.get("type") != "pmessage":
+                            continue
+                        meta = json.loads(msg["data"])
+                        tid = meta.get("task_id") or msg["channel"].decode()[17:]
+                        b = _backend(meta)
+                        self.states.setdefault(tid, []).append(b)
+                        fh.write(
+                            json.dumps(
+                                {"task_id": tid, "state": b.state, "exc": b.exc_type,
+                                 "t": time.time()}
+                            ) + "\n"
+                        )  # fmt: skip
+                        fh.flush()
+            except redis.RedisError:
+                time.sleep(0.5)
+            finally:
+                client.close()
+
+
+class Run:
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.workdir = opts.workdir or Path(
+            tempfile.mkdtemp(prefix=f"chaos-{opts.broker}-s{opts.seed}-")
+        )
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.monotonic()
+        self._log_lock = threading.Lock()
+        self.cluster = Cluster(
+            self.workdir,
+            broker=opts.broker,
+            workers=opts.workers,
+            concurrency=opts.concurrency,
+            ttl=opts.ttl,
+            vt=opts.vt,
+            log=self.log,
+        )
+        self.rng = random.Random(opts.seed * 7919 + 1)
+        self.submitted: list[dict[str, Any]] = []
+        self.publish_errors = 0
+
+    def log(self, msg: str) -> None:
+        line = f"[{time.monotonic() - self.t0:7.1f}s] {msg}"
+        with self._log_lock:
+            with open(self.workdir / "run.log", "a") as fh:
+                fh.write(line + "\n")
+            if not self.opts.quiet:
+                print(line, flush=True)
+
+    def execute(self) -> RunResult:
+        opts = self.opts
+        started = time.monotonic()
+        # The harness's clock pair: real time = monotonic + offset.
+        self.offset = time.time() - time.monotonic()
+        (self.workdir / "options.json").write_text(
+            json.dumps({**vars(opts), "workdir": str(self.workdir), "kinds": list(opts.kinds)})
+        )
+        self.log(f"workdir {self.workdir}")
+        try:
+            self.cluster.start_servers()
+            self.cluster.start_workers()
+            from tests.chaos.app import build
+
+            self.app, self.tasks = build(self.cluster.env)
+            self.monitor = BackendMonitor(
+                self.cluster.env["CHAOS_BACKEND"], self.workdir / "backend_states.jsonl"
+            )
+            self.monitor.start()
+            self.cluster.supervise()
+            the_plan = plan(opts)
+            until = time.monotonic() + opts.duration
+            submitter = threading.Thread(
+                target=self.submit, args=(the_plan, time.monotonic()), daemon=True
+            )
+            submitter.start()
+            injector = Injector(
+                self.cluster, self.rng, rate=opts.fault_rate, kinds=opts.kinds, log=self.log
+            )
+            self.log(f"injecting faults for {opts.duration:.0f}s at {opts.fault_rate}/s")
+            injector.run(until)
+            submitter.join()
+            self.log(f"healed; faults: {dict(injector.counts)}; settling")
+            settled, pending = self.settle(opts.settle)
+            self.cluster.stop_supervising()
+            self.cluster.stop_workers()
+            self.monitor.stop()
+            self.log("workers stopped; collecting")
+            history, extra = self.collect()
+            extra["pending_at_settle"] = pending
+            report = check(history)
+            figures = self.figures(report, injector, extra, settled)
+            table = format_table(figures, report)
+            wall = time.monotonic() - started
+            figures["wall_seconds"] = round(wall, 1)
+            (self.workdir / "report.json").write_text(
+                json.dumps(
+                    {
+                        "figures": figures,
+                        "violations": [str(v) for v in report.violations],
+                        "lost_plugin": report.lost_plugin,
+                        "lost_broker": report.lost_broker,
+                    },
+                    indent=1,
+                )
+            )
+            (self.workdir / "report.txt").write_text(table + "\n")
+            return RunResult(report, figures, table, self.workdir, settled, wall, extra)
+        finally:
+            self.cluster.shutdown()
+
+    # -- submitting ------------------------------------------------------
+
+    def submit(self, the_plan: list[dict[str, Any]], t0: float) -> None:
+        path = self.workdir / "submissions.jsonl"
+        for item in the_plan:
+            delay = t0 + item["at"] - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            task = getattr(self.tasks, item["policy"])
+            while True:
+                try:
+                    task.apply_async(
+                        args=(item["key"], item["duration"], item["n"]),
+                        task_id=item["task_id"],
+                        retry=True,
+                        retry_policy={"max_retries": 3, "interval_start": 0.2,
+                                      "interval_step": 0.5, "interval_max": 1.0},
+                    )  # fmt: skip
+                    break
+                except Exception as e:  # noqa: BLE001 - the broker is being faulted
+                    self.publish_errors += 1
+                    self.log(f"publish of {item['task_id']} failed ({e!r}); retrying")
+                    time.sleep(0.5)
+            self.submitted.append(item)
+            with open(path, "a") as fh:
+                fh.write(json.dumps({**item, "submitted": time.time()}) + "\n")
+        self.log(f"submitted {len(self.submitted)} tasks")
+
+    # -- settling ----------------------------------------------------------
+
+    def backend_states(self, ids: list[str]) -> dict[str, dict[str, Any]]:
+        assert self.cluster.backend is not None
+        client = redis.Redis.from_url(self.cluster.env["CHAOS_BACKEND"])
+        out: dict[str, dict[str, Any]] = {}
+        try:
+            for i in range(0, len(ids), 500):
+                chunk = ids[i : i + 500]
+                for tid, raw in zip(chunk, client.mget([f"celery-task-meta-{t}" for t in chunk])):
+                    if raw is not None:
+                        out[tid] = json.loads(raw)
+        finally:
+            client.close()
+        return out
+
+    def broker_pending(self) -> int:
+        c = self.cluster
+        if c.broker_redis is not None:
+            client = redis.Redis.from_url(c.env["CHAOS_BROKER"])
+            try:
+                n = sum(int(client.llen(k)) for k in client.scan_iter(match="celery*"))
+                # Not counted: messages kombu will restore only in ~1 h (their
+                # unacked score came from a worker clock running an hour ahead).
+                stranded = int(client.zcount("unacked_index", time.time() + 60, "+inf"))
+                return n + int(client.hlen("unacked")) - stranded
+            finally:
+                client.close()
+        assert c.rabbit is not None
+        out = c.rabbit.ctl("list_queues", "name", "messages", "--quiet", "--no-table-headers")
+        total = 0
+        for line in out.splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[0] == "celery":
+                total += int(parts[1])
+        return total
+
+    def settle(self, timeout: float) -> tuple[bool, int]:
+        ids = [p["task_id"] for p in self.submitted]
+        deadline = time.monotonic() + timeout
+        quiet_since: float | None = None
+        stuck_since: float | None = None
+        last_report = 0.0
+        pending = len(ids)
+        while time.monotonic() < deadline:
+            try:
+                states = self.backend_states(ids)
+                pending = sum(1 for t in ids if states.get(t, {}).get("status") not in FINAL)
+                queued = self.broker_pending()
+            except Exception as e:  # noqa: BLE001 - keep waiting through hiccups
+                self.log(f"settle: {e!r}")
+                time.sleep(2)
+                continue
+            if pending == 0 and queued == 0:
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since >= 3.0:
+                    self.log("settled")
+                    return True, 0
+            else:
+                quiet_since = None
+            # Nothing queued, nothing unacked, nothing running: what is not final
+            # now never will be (lost); do not wait out the whole bound.
+            if queued == 0 and pending > 0:
+                stuck_since = stuck_since or time.monotonic()
+                if time.monotonic() - stuck_since >= 20.0:
+                    self.log(f"settle: {pending} task(s) not final and no message left; giving up")
+                    return False, pending
+            else:
+                stuck_since = None
+            if time.monotonic() - last_report > 10:
+                self.log(f"settle: {pending} task(s) not final, {queued} message(s) in the broker")
+                last_report = time.monotonic()
+            time.sleep(1.0)
+        self.log(f"settle timed out: {pending} task(s) not final")
+        return False, pending
+
+    # -- collecting -----------------------------------------------------------
+
+    def collect(self) -> tuple[History, dict[str, Any]]:
+        c = self.cluster
+        subs = [Submission(p["task_id"], p["key"], p["policy"]) for p in self.submitted]
+        attempts, events = read_history(c.history, self.offset)
+        engine = create_engine(c.results_url)
+        with engine.connect() as conn:
+            accepted = [
+                Accepted(r.lease_key, int(r.fencing_token), r.task_id, float(r.accepted_at), r.id)
+                for r in conn.execute(
+                    text(
+                        "SELECT id, lease_key, fencing_token, task_id, accepted_at "
+                        "FROM celery_lease_results ORDER BY id"
+                    )
+                )
+            ]
+            protected = [
+                Protected(r.key, int(r.token), r.task_id, float(r.written_at), r.id)
+                for r in conn.execute(
+                    text(
+                        "SELECT id, key, token, task_id, written_at "
+                        "FROM chaos_protected ORDER BY id"
+                    )
+                )
+            ]
+        engine.dispose()
+        raw = self.backend_states([s.task_id for s in subs])
+        backend = {tid: _backend(meta) for tid, meta in raw.items()}
+        extra: dict[str, Any] = {"events": events}
+        transport_lost: dict[str, str] = {}
+        if c.broker_redis is not None:
+            files, base_empty = aof.aof_files(c.broker_redis.data_dir)
+            blog = aof.analyze(
+                files, base_empty=base_empty, now=time.time(), visibility_timeout=self.opts.vt
+            )
+            transport_lost = blog.transport_lost()
+            extra.update(
+                transport_lost_messages=len(blog.lost_messages),
+                transport_stranded_messages=len(blog.stranded),
+                aof_commands=blog.commands,
+                aof_complete=blog.complete and not blog.divergent,
+                broker_queued_at_end=blog.queued_at_end,
+                broker_unacked_at_end=blog.unacked_at_end,
+            )
+        extra["log_counts"] = count_log_states(c.logdir)
+        extra["supervisor_restarts"] = c.supervisor_restarts
+        extra["publish_errors"] = self.publish_errors
+        history = History(
+            submissions=subs,
+            attempts=attempts,
+            accepted=accepted,
+            protected=protected,
+            backend=backend,
+            transport_lost=transport_lost,
+            broker=self.opts.broker,
+            backend_history={k: list(v) for k, v in self.monitor.states.items()},
+        )
+        return history, extra
+
+    def figures(
+        self, report: Report, injector: Injector, extra: dict[str, Any], settled: bool
+    ) -> dict[str, Any]:
+        f: dict[str, Any] = {
+            "broker": self.opts.broker,
+            "seed": self.opts.seed,
+            "duration_s": self.opts.duration,
+            "workers": f"{self.opts.workers} (w0 -P threads, others prefork)"
+            f" x {self.opts.concurrency}",
+        }
+        f.update(report.figures)
+        f["faults"] = {k: injector.counts.get(k, 0) for k in self.opts.kinds}
+        f["faults_total"] = sum(injector.counts.values())
+        f["faults_failed"] = dict(injector.failed)
+        counts = extra["log_counts"]
+        f["deferrals"] = counts.get("LEASE_DEFERRED", 0)
+        f["rejections"] = counts.get("LEASE_REJECTED", 0)
+        f["fenced_commits"] = counts.get("FENCED", 0)
+        f["leases_lost"] = counts.get("LEASE_LOST", 0)
+        f["prerun"] = extra["events"].get("prerun", 0)
+        f["supervisor_restarts"] = extra["supervisor_restarts"]
+        f["publish_retries"] = extra["publish_errors"]
+        if "transport_lost_messages" in extra:
+            f["broker_messages_lost"] = extra["transport_lost_messages"]
+            f["broker_messages_stranded"] = extra["transport_stranded_messages"]
+            f["broker_aof_commands"] = extra["aof_commands"]
+            f["broker_aof_complete"] = extra["aof_complete"]
+        f["settled"] = settled
+        f["violations"] = len(report.violations)
+        f["violations_by_kind"] = dict(report.by_kind())
+        return f
+
+
+def _backend(meta: dict[str, Any]) -> Backend:
+    state = meta.get("status") or "PENDING"
+    result = meta.get("result")
+    if state == "FAILURE" and isinstance(result, dict):
+        args = result.get("exc_message")
+        if not isinstance(args, (list, tuple)):
+            args = [args]
+        return Backend(state, result.get("exc_type"), tuple(args))
+    return Backend(state)
+
+
+def read_history(path: Path, offset: float) -> tuple[list[Attempt], Counter[str]]:
+    """Attempts from the bodies' history file (real time = monotonic + ``offset``)."""
+    attempts: dict[str, Attempt] = {}
+    events: Counter[str] = Counter()
+    if not path.exists():
+        return [], events
+    for line in path.read_bytes().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a torn line of a killed process
+        ev = rec.get("ev")
+        events[ev] += 1
+        real = rec["mono"] + offset
+        if ev == "start":
+            attempts[rec["attempt"]] = Attempt(
+                attempt=rec["attempt"],
+                task_id=rec["task_id"],
+                key=rec["key"],
+                token=int(rec["token"]),
+                acquired_at=float(rec["acquired_at"]),
+                start=real,
+                expires=float(rec["expires"]),
+                hostname=rec.get("host") or "",
+                pid=rec["pid"],
+                skew=rec.get("skew") or "",
+            )
+        elif ev in ("renewed", "end"):
+            a = attempts.get(rec["attempt"])
+            if a is None:
+                continue
+            a.expires = max(a.expires, float(rec["expires"]))
+            if ev == "end":
+                a.end = real
+                a.write = rec.get("write")
+    return list(attempts.values()), events
+
+
+_STATE_LINE = re.compile(r"\] (LEASE_DEFERRED|LEASE_REJECTED|FENCED|LEASE_LOST) [0-9a-f-]{36}")
+
+
+def count_log_states(logdir: Path) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for path in logdir.glob("worker-*.log"):
+        for m in _STATE_LINE.finditer(path.read_text(errors="replace")):
+            counts[m.group(1)] += 1
+    return counts
+
+
+def format_table(f: dict[str, Any], report: Report) -> str:
+    rows: list[tuple[str, str]] = [
+        ("broker", str(f["broker"])),
+        ("seed", str(f["seed"])),
+        ("fault-injection duration (s)", str(f["duration_s"])),
+        ("workers", str(f["workers"])),
+        ("tasks", str(f["tasks"])),
+        ("keys", str(f["keys"])),
+        ("executions (bodies started)", str(f["executions"])),
+        ("deliveries run (task_prerun)", str(f["prerun"])),
+        ("accepted results", str(f["accepted"])),
+        ("protected writes", str(f["protected_writes"])),
+        ("protected writes refused (fenced)", str(f["writes_refused"])),
+    ]
+    for kind, n in f["faults"].items():
+        rows.append((f"faults: {kind}", str(n)))
+    rows.append(("faults: total", str(f["faults_total"])))
+    if f["faults_failed"]:
+        rows.append(("faults that failed to apply", json.dumps(f["faults_failed"])))
+    rows += [
+        ("worker exits restarted by the supervisor", str(f["supervisor_restarts"])),
+        ("publish retries (harness)", str(f["publish_retries"])),
+        ("deferrals (LEASE_DEFERRED)", str(f["deferrals"])),
+        ("rejections (LEASE_REJECTED)", str(f["rejections"])),
+        ("fenced commits (FENCED)", str(f["fenced_commits"])),
+        ("leases lost while running (LEASE_LOST)", str(f["leases_lost"])),
+    ]
+    if "broker_messages_lost" in f:
+        rows.append(("messages lost by the Redis transport (AOF)", str(f["broker_messages_lost"])))
+        rows.append(
+            (
+                "messages stranded by the transport (AOF: unacked, restorable ~1 h later)",
+                str(f["broker_messages_stranded"]),
+            )
+        )
+        rows.append(("broker AOF commands read", str(f["broker_aof_commands"])))
+    rows += [
+        ("lost tasks: plugin", str(f["lost_plugin"])),
+        ("lost tasks: broker transport", str(f["lost_broker"])),
+        ("settled (every task final, broker empty)", str(f["settled"])),
+        ("violations", str(f["violations"])),
+    ]
+    for kind, n in sorted(f["violations_by_kind"].items()):
+        rows.append((f"violations: {kind}", str(n)))
+    width = max(len(r[0]) for r in rows)
+    vwidth = max(len(r[1]) for r in rows)
+    sep = f"+-{'-' * width}-+-{'-' * vwidth}-+"
+    lines = [sep] + [f"| {a.ljust(width)} | {b.rjust(vwidth)} |" for a, b in rows] + [sep]
+    if report.violations:
+        lines.append("violations:")
+        lines += [f"  {v}" for v in report.violations[:50]]
+        if len(report.violations) > 50:
+            lines.append(f"  ... and {len(report.violations) - 50} more (report.json)")
+    return "\n".join(lines)
+
+
+def run(opts: Options) -> RunResult:
+    return Run(opts).execute()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__.split("\n")[0])
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of fault injection")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--concurrency", type=int, default=2)
+    p.add_argument("--tasks", type=int, default=300)
+    p.add_argument("--keys", type=int, default=12)
+    p.add_argument("--broker", choices=("redis", "amqp"), default="redis")
+    p.add_argument("--ttl", type=float, default=4.0, help="lease TTL (s)")
+    p.add_argument("--vt", type=float, default=10.0, help="Redis visibility_timeout (s)")
+    p.add_argument("--fault-rate", type=float, default=0.2, help="faults per second")
+    p.add_argument("--settle", type=float, default=240.0, help="max seconds to settle")
+    p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated")
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--quiet", action="store_true")
+    a = p.parse_args(argv)
+    kinds = tuple(k for k in a.kinds.split(",") if k)
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
+    opts = Options(
+        duration=a.duration, seed=a.seed, workers=a.workers, concurrency=a.concurrency,
+        tasks=a.tasks, keys=a.keys, broker=a.broker, ttl=a.ttl, vt=a.vt,
+        fault_rate=a.fault_rate, settle=a.settle, kinds=kinds, workdir=a.workdir,
+        quiet=a.quiet,
+    )  # fmt: skip
+    result = run(opts)
+    print(result.table)
+    print(f"wall time {result.wall:.0f}s; records in {result.workdir}")
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,385 @@
+"""Regression tests for the bugs the chaos suite found, each replayed deterministically.
+
+Real ``celery worker`` processes of :mod:`tests.chaos.app` on a private Redis
+(broker, lease store and result backend in three databases) and the fenced
+result table in PostgreSQL; each worker consumes its own queue so a test
+decides which worker receives which message.
+
+1. *A guarded write refused in the body failed its task id while a copy of
+   it was doing the work.* A (task T, token 7) pauses past its TTL; a copy
+   of T on B claims token 8 and works. A resumes, its ``fencing.guard``
+   write is refused and ``StaleFencingToken`` escaped the plugin, so Celery
+   stored FAILURE for T (``get()`` raised) while B went on to SUCCESS (the
+   chaos run's backend monitor saw FAILURE, then SUCCESS). A refusal in the
+   body must end like a refused commit: FENCED, and the backend left to the
+   execution that owns the task id.
+2. *A deferral published by a worker whose clock is skewed waited an hour.*
+   The plugin re-published a deferred task with ``countdown``, which Celery
+   turns into an ETA by the publishing worker's clock; a worker under
+   ``faketime -f '+1h'`` so made every other worker hold the copy for an
+   hour (the chaos run ended with tasks stuck behind such ETAs). The ETA
+   must come from the lease store's clock; and a receiver whose clock runs
+   ahead (so the ETA passes too soon) waits out the rest before claiming.
+3. *A broker hiccup while sending a custom event failed the task*;
+4. *a worker dying while it deferred a task lost the task*;
+5. *a late copy of a fenced task turned its final FAILURE into SUCCESS*;
+6. *a re-publish the broker refused ended the task FAILURE*;
+7. *RabbitMQ lost deferred tasks published without confirms*
+   (see the tests' docstrings).
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, text
+
+import celery_lease
+from celery_lease import LeaseStore
+from tests.chaos.app import PROTECTED_DDL, build
+from tests.chaos.cluster import ChaosWorker
+from tests.chaos.runner import BackendMonitor
+from tests.servers import RabbitMQServer, RedisServer, wait_for
+from tests.workers import read_log
+
+pytestmark = pytest.mark.timeout(180)
+
+TTL = 2.0
+
+
+class Cell:
+    def __init__(
+        self, tmp: Path, redis: RedisServer, pg_url: str, broker: str | None = None
+    ) -> None:
+        celery_lease.migrate(pg_url)
+        engine = create_engine(pg_url)
+        with engine.begin() as conn:
+            conn.execute(text(PROTECTED_DDL))
+        engine.dispose()
+        self.history = tmp / "history.jsonl"
+        self.env = {
+            "CHAOS_BROKER": broker or redis.url(0),
+            "CHAOS_BACKEND": redis.url(1),
+            "CHAOS_STORE": redis.url(2),
+            "CHAOS_RESULTS": pg_url,
+            "CHAOS_HISTORY": str(self.history),
+            "CHAOS_TTL": str(TTL),
+            "CHAOS_VT": "3600",
+        }
+        self.logdir = tmp
+        self.app, self.tasks = build(self.env)
+        self.store = LeaseStore.from_url(redis.url(2), key_prefix="celery-lease")
+        self.workers: list[ChaosWorker] = []
+
+    def restart_env(self, *, vt: float) -> None:
+        """Change the visibility timeout (before any worker starts)."""
+        assert not self.workers
+        self.env["CHAOS_VT"] = str(vt)
+        self.app, self.tasks = build(self.env)
+
+    def worker(self, name: str, queues: str, skew: str | None = None) -> ChaosWorker:
+        w = ChaosWorker(
+            name, self.env, self.logdir, pool="prefork", concurrency=1, extra_args=("-Q", queues)
+        )
+        self.workers.append(w)
+        w.launch(skew)
+        w.wait_ready()
+        return w
+
+    def state(self, task_id: str) -> dict[str, Any]:
+        meta: dict[str, Any] = self.app.backend.get_task_meta(task_id, cache=False)
+        return meta
+
+    def records(self, pred: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+        return [r for r in read_log(self.history) if pred(r)]
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.kill()
+        self.store.close()
+
+
+@pytest.fixture
+def cell(
+    tmp_path: Path, make_redis_server: Callable[..., RedisServer], pg_url: str
+) -> Iterator[Cell]:
+    c = Cell(tmp_path, make_redis_server(), pg_url)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def test_a_guard_refused_in_the_body_never_fails_its_task_id_while_a_copy_runs(
+    cell: Cell,
+) -> None:
+    a = cell.worker("a", "qa")
+    cell.worker("b", "qb")
+    tid, key = str(uuid.uuid4()), f"guard-{uuid.uuid4().hex[:6]}"
+    cell.tasks.exclusive.apply_async((key, 2.0, 0), task_id=tid, queue="qa")
+    wait_for(lambda: cell.records(_is("start", tid)), 30, "A's body to start")
+    a.stop_group()
+    try:
+        wait_for(lambda: not _live(cell, key), 10, "A's lease to expire in store time")
+        # A copy of the same task id (a redelivery) takes over on B, for 4 s.
+        cell.tasks.exclusive.apply_async((key, 4.0, 1), task_id=tid, queue="qb")
+        wait_for(lambda: len(cell.records(_is("start", tid))) == 2, 30, "B's body to start")
+    finally:
+        a.cont_group()
+    ends = wait_for(
+        lambda: [r for r in cell.records(_is("end", tid)) if r["write"] == "refused"],
+        30,
+        "A's guarded write to be refused",
+    )
+    wait_for(
+        lambda: [r for r in cell.records(_is("postrun", tid)) if r["pid"] == ends[0]["pid"]],
+        30,
+        "A's execution to end",
+    )
+    # B is still working: its task id must not read as failed meanwhile.
+    assert not cell.records(_is("end", tid, pid_not=ends[0]["pid"]))
+    assert cell.state(tid)["status"] == "PENDING"
+    wait_for(lambda: cell.state(tid)["status"] == "SUCCESS", 30, "B's SUCCESS")
+    assert cell.state(tid)["result"]["n"] == 1  # B's value
+    assert f"FENCED {tid}" in a.log_text()
+
+
+def _is(event: str, task_id: str, pid_not: int | None = None) -> Callable[[dict[str, Any]], bool]:
+    return lambda r: r["ev"] == event and r["task_id"] == task_id and r["pid"] != pid_not
+
+
+def _live(cell: Cell, key: str) -> bool:
+    record = cell.store.inspect(key)
+    return record is not None and record.live
+
+
+def test_a_deferral_published_by_a_worker_an_hour_fast_runs_on_time(cell: Cell) -> None:
+    skewed = cell.worker("skewed", "qa", skew="+1h")
+    b = cell.worker("b", "qb,qa")
+    key = f"skew-{uuid.uuid4().hex[:6]}"
+    first, second, blocker = (str(uuid.uuid4()) for _ in range(3))
+    # B holds the key for 3 s; the skewed worker meets it and defers the second
+    # task, then takes the blocker queued behind it (8 s, another key), so the
+    # deferred copy, queued after the blocker, is B's to run.
+    cell.tasks.exclusive.apply_async((key, 3.0, 0), task_id=first, queue="qb")
+    wait_for(lambda: cell.records(_is("start", first)), 30, "the first body to start")
+    cell.tasks.exclusive.apply_async((key, 0.1, 1), task_id=second, queue="qa")
+    cell.tasks.exclusive.apply_async((f"{key}-b", 8.0, 2), task_id=blocker, queue="qa")
+    wait_for(
+        lambda: f"LEASE_DEFERRED {second}" in skewed.log_text(),
+        30,
+        "the skewed worker to defer the second task",
+    )
+    deferred_at = time.monotonic()
+    wait_for(
+        lambda: cell.state(second)["status"] == "SUCCESS",
+        30,
+        "the deferred task to run after the first one's lease, not an hour later",
+    )
+    assert time.monotonic() - deferred_at < 30
+    assert f"chaos.exclusive[{second}] succeeded" in b.log_text()
+    start = cell.records(_is("start", second))[0]
+    assert start["mono"] > cell.records(_is("end", first))[0]["mono"]
+
+
+def test_a_worker_an_hour_fast_waits_out_an_early_deferred_copy(cell: Cell) -> None:
+    # The other side of taking the ETA from the store's clock: a worker whose
+    # clock runs an hour ahead gets the deferred copy at once (its ETA has long
+    # passed by its clock); it must wait until the store's ETA, not defer again
+    # and again as fast as the broker delivers.
+    skewed = cell.worker("skewed", "qa", skew="+1h")
+    cell.worker("b", "qb")
+    key = f"fast-{uuid.uuid4().hex[:6]}"
+    first, second = str(uuid.uuid4()), str(uuid.uuid4())
+    cell.tasks.exclusive.apply_async((key, 3.0, 0), task_id=first, queue="qb")
+    wait_for(lambda: cell.records(_is("start", first)), 30, "the first body to start")
+    cell.tasks.exclusive.apply_async((key, 0.1, 1), task_id=second, queue="qa")
+    wait_for(lambda: cell.state(second)["status"] == "SUCCESS", 30, "the deferred task")
+    assert 1 <= skewed.log_text().count(f"LEASE_DEFERRED {second}") <= 3
+    start = cell.records(_is("start", second))[0]
+    end = cell.records(_is("end", first))[0]
+    assert start["mono"] > end["mono"]  # after the first one, never beside it
+
+
+def test_a_worker_dying_while_it_defers_a_task_never_loses_it(cell: Cell) -> None:
+    """4. *A task was dropped as a duplicate of a copy that was never published.*
+    Deferring, the plugin marked "a copy of this task id is queued" in the
+    store, then published the copy; the worker killed in between left the
+    marker without a copy, and the redelivered message (``acks_late``,
+    ``task_reject_on_worker_lost``) was then dropped as a duplicate: the task
+    was lost (the chaos run: a worker SIGKILL, then LEASE_REJECTED and no
+    state, ever). The crash is placed exactly there by the chaos app's
+    ``before_task_publish`` hook."""
+    key = f"crash-{uuid.uuid4().hex[:6]}"
+    first, second = str(uuid.uuid4()), str(uuid.uuid4())
+    cell.env["CHAOS_CRASH_BEFORE_REPUBLISH"] = second
+    a = cell.worker("a", "qa")
+    cell.worker("b", "qb")
+    # The first task holds the key long enough for the redelivered second one
+    # to meet it too (A notices its dead child after a few seconds).
+    cell.tasks.exclusive.apply_async((key, 10.0, 0), task_id=first, queue="qb")
+    wait_for(lambda: cell.records(_is("start", first)), 30, "the first body to start")
+    cell.tasks.exclusive.apply_async((key, 0.1, 1), task_id=second, queue="qa")
+    wait_for(
+        lambda: Path(f"{cell.history}.before-republish-{second}").exists(),
+        30,
+        "A's child to die while deferring the second task",
+    )
+    wait_for(lambda: "WorkerLostError" in a.log_text(), 30, "A to see its child die")
+    wait_for(
+        lambda: cell.state(second)["status"] == "SUCCESS",
+        40,
+        "the redelivered second task to be deferred and run, not dropped",
+    )
+    assert a.log_text().count(f"LEASE_DEFERRED {second}") >= 1  # it did meet the first
+    start = cell.records(_is("start", second))[0]
+    assert start["mono"] > cell.records(_is("end", first))[0]["mono"]
+
+
+def test_a_late_copy_of_a_fenced_task_never_turns_its_failure_into_success(cell: Cell) -> None:
+    """5. *A task's final FAILURE turned into SUCCESS.* T's execution paused
+    past its TTL, another task took the key, and T ended FAILURE
+    StaleFencingToken (FENCED, taken over); a copy of T queued meanwhile (a
+    deferred copy, a restored message) then ran after the other task and
+    committed: T's state went FAILURE -> SUCCESS (seen by the chaos run's
+    backend monitor), after ``get()`` had raised. A late copy of a task that
+    already ended with a lease outcome is rejected like one of an accepted
+    task."""
+    a = cell.worker("a", "qa")
+    b = cell.worker("b", "qb")
+    key = f"late-{uuid.uuid4().hex[:6]}"
+    tid, other = str(uuid.uuid4()), str(uuid.uuid4())
+    cell.tasks.exclusive.apply_async((key, 2.0, 0), task_id=tid, queue="qa")
+    wait_for(lambda: cell.records(_is("start", tid)), 30, "T's body to start")
+    a.stop_group()
+    try:
+        wait_for(lambda: not _live(cell, key), 10, "T's lease to expire in store time")
+        cell.tasks.exclusive.apply_async((key, 5.0, 1), task_id=other, queue="qb")
+        wait_for(lambda: cell.records(_is("start", other)), 30, "the other task to take the key")
+    finally:
+        a.cont_group()
+    wait_for(lambda: cell.state(tid)["status"] == "FAILURE", 30, "T to end fenced")
+    assert type(cell.state(tid)["result"]).__name__ == "StaleFencingToken"
+    # A late copy of T, on B, after the other task.
+    cell.tasks.exclusive.apply_async((key, 0.1, 2), task_id=tid, queue="qb")
+    wait_for(lambda: cell.state(other)["status"] == "SUCCESS", 30, "the other task")
+    wait_for(
+        lambda: b.log_text().count(f"chaos.exclusive[{tid}]") >= 2,  # received + its outcome
+        30,
+        "B to deal with the late copy",
+    )
+    time.sleep(0.5)
+    assert cell.state(tid)["status"] == "FAILURE"
+    assert f"LEASE_REJECTED {tid}" in b.log_text()
+    assert len(cell.records(_is("start", tid))) == 1  # never ran again
+
+
+def test_an_event_lost_with_its_broker_connection_never_fails_the_task(
+    make_redis_server: Callable[..., RedisServer],
+) -> None:
+    """3. *A deferred task ended FAILURE ConnectionError, then SUCCESS.* The
+    LEASE_DEFERRED event was published on a pooled broker connection that
+    the broker's restart had broken; redis-py's own ConnectionError (not a
+    kombu error) escaped ``events.send`` after the copy was re-published, so
+    the task id read FAILURE until its copy succeeded (the chaos run's
+    backend monitor saw FAILURE ConnectionError -> SUCCESS)."""
+    from celery import Celery
+
+    from celery_lease import events
+
+    broker = make_redis_server(appendonly=False)
+    app = Celery("events-regression", broker=broker.url(0))
+    events.send(app, events.LEASE_DEFERRED, task_id="t1", hostname="h")  # a pooled connection
+    broker.kill()
+    events.send(app, events.LEASE_DEFERRED, task_id="t2", hostname="h")  # must not raise
+
+
+def test_a_deferral_the_broker_cannot_take_is_requeued_not_failed(
+    tmp_path: Path, make_redis_server: Callable[..., RedisServer], pg_url: str
+) -> None:
+    """6. *A deferred task ended FAILURE OperationalError, then SUCCESS.* The
+    broker (RabbitMQ, restarting) refused the deferral's re-publish; the
+    error escaped, Celery stored FAILURE, and the message, never acked, came
+    back and ran: FAILURE -> SUCCESS (the chaos run with ``--broker amqp``).
+    A re-publish the broker cannot take now gives the message back
+    (``Reject(requeue=True)``), backend untouched. The broker is stopped
+    (``rabbitmqctl stop_app``) by the chaos app's hook, right before the
+    re-publish."""
+    try:
+        rabbit = RabbitMQServer(tmp_path / "rabbit")
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    rabbit.start()
+    try:
+        env = rabbit._env()
+        script = tmp_path / "stop_app.sh"
+        script.write_text(
+            "#!/bin/sh\nexec env -i "
+            + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+            + f" {shlex.quote(rabbit.ctl_bin)} -n {shlex.quote(rabbit.nodename)} stop_app\n"
+        )
+        script.chmod(0o755)
+        cell = Cell(tmp_path, make_redis_server(), pg_url, broker=rabbit.url())
+        monitor = BackendMonitor(cell.env["CHAOS_BACKEND"], tmp_path / "states.jsonl")
+        monitor.start()
+        key = f"nobroker-{uuid.uuid4().hex[:6]}"
+        first, second = str(uuid.uuid4()), str(uuid.uuid4())
+        cell.env["CHAOS_RUN_BEFORE_REPUBLISH"] = f"{second}:{script}"
+        try:
+            a = cell.worker("a", "qa")
+            cell.worker("b", "qb")
+            cell.tasks.exclusive.apply_async((key, 4.0, 0), task_id=first, queue="qb")
+            wait_for(lambda: cell.records(_is("start", first)), 30, "the first body to start")
+            cell.tasks.exclusive.apply_async((key, 0.1, 1), task_id=second, queue="qa")
+            wait_for(
+                lambda: any(
+                    line in a.log_text()
+                    for line in (
+                        f"could not re-publish {second}",  # requeued
+                        f"chaos.exclusive[{second}] raised unexpected",  # the bug
+                    )
+                ),
+                60,
+                "A to fail to re-publish the second task",
+            )
+            rabbit.ctl("start_app")
+            wait_for(lambda: cell.state(second)["status"] == "SUCCESS", 90, "the second task")
+            time.sleep(0.5)
+            states = [b.state for b in monitor.states.get(second, [])]
+            assert "FAILURE" not in states, states
+        finally:
+            monitor.stop()
+            cell.close()
+    finally:
+        rabbit.cleanup()
+
+
+def test_an_amqp_broker_without_publisher_confirms_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """7. *RabbitMQ lost deferred tasks.* A deferral re-publishes the task and
+    acks the message it came in; a copy published (unconfirmed) a few hundred
+    ms before RabbitMQ was SIGKILLed was gone after the restart, and with it
+    the task (the chaos run with ``--broker amqp``: two tasks never ended).
+    Only publisher confirms make the hand-over safe; the chaos app now sets
+    ``confirm_publish`` and the worker warns at start when it is off."""
+    from celery import Celery
+
+    from celery_lease.signals import warn_unconfirmed_publish
+
+    app = Celery("confirms", broker="amqp://guest:guest@127.0.0.1:1//")
+    with caplog.at_level("WARNING", logger="celery_lease.signals"):
+        assert warn_unconfirmed_publish(app)
+    assert "confirm_publish" in caplog.text
+    app.conf.broker_transport_options = {"confirm_publish": True}
+    assert not warn_unconfirmed_publish(app)
+    assert not warn_unconfirmed_publish(Celery("redis", broker="redis://127.0.0.1:1/0"))
+    assert build({"CHAOS_BROKER": "amqp://guest:guest@127.0.0.1:1//"})[0].conf[
+        "broker_transport_options"
+    ] == {"confirm_publish": True}
