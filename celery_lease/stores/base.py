@@ -298,7 +298,7 @@ class LeaseStore(ABC):
             held = HeldLease(
                 self, lease, renew_interval=renew_interval, clock_drift=clock_drift, sent_at=sent
             )
-        except BaseException:
+        except LeaseConfigError:
             # A bad renew_interval / clock_drift: give the key back, never leave it blocked.
             self.release(lease)
             raise
