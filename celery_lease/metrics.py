@@ -10,6 +10,7 @@ so the code that counts never checks.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,17 @@ class _Noop:
         return None
 
 
+_make_lock = threading.Lock()
+
+
+def _reset_after_fork() -> None:
+    global _make_lock
+    _make_lock = threading.Lock()  # a copy held by another thread at fork never frees
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
 class _Lazy:
     """A metric made on first use (or a no-op without prometheus-client)."""
 
@@ -50,22 +62,27 @@ class _Lazy:
 
     def _get(self) -> Any:
         if self._metric is None:
-            try:
-                import prometheus_client
-                from prometheus_client import values
-            except ImportError:
-                self._metric = _Noop()
-            else:
-                if (
-                    os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-                    and values.ValueClass is values.MutexValue
-                ):
-                    # prometheus-client picks its value class when first imported;
-                    # something (Flower's celery command plugin) may have imported
-                    # it before the worker set the multiprocess directory.
-                    values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
-                self._metric = self._make(prometheus_client)
+            # Made once per process even when two threads count at once for the
+            # first time (a ``-P threads`` pool, a task and the renewal thread):
+            # made twice, the second registration raised DuplicateTimeseries
+            # inside the task.
+            with _make_lock:
+                if self._metric is None:
+                    self._metric = self._create()
         return self._metric
+
+    def _create(self) -> Any:
+        try:
+            import prometheus_client
+            from prometheus_client import values
+        except ImportError:
+            return _Noop()
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR") and values.ValueClass is values.MutexValue:
+            # prometheus-client picks its value class when first imported;
+            # something (Flower's celery command plugin) may have imported
+            # it before the worker set the multiprocess directory.
+            values.ValueClass = values.MultiProcessValue()  # type: ignore[no-untyped-call]
+        return self._make(prometheus_client)
 
     def labels(self, *args: Any, **kwargs: Any) -> Any:
         return self._get().labels(*args, **kwargs)

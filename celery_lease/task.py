@@ -541,8 +541,13 @@ class _Execution:
             self.event(state, token=token, reason="another execution of this task id committed")
             raise Ignore()
         if holder is not None and holder.live and holder.task_id == self.task_id:
+            # Another execution of this task id holds the key: maybe a restored
+            # copy of this very message, sharing its delivery tag, whose unacked
+            # entry this execution's ack would remove: a SIGKILL of it would then
+            # requeue nothing. Leave a deferred copy behind as its crash cover,
+            # as a redelivered copy that meets its live owner does.
             self.event(state, token=token, reason="another execution of this task id holds it")
-            raise Ignore()
+            self.defer(holder.remaining, "a copy of this task id holds the lease", same_task=True)
         taken_over = (newer is not None and token is not None and newer.token > token) or (
             holder is not None and holder.live
         )

@@ -24,13 +24,17 @@ decides which worker receives which message.
 4. *a worker dying while it deferred a task lost the task*;
 5. *a late copy of a fenced task turned its final FAILURE into SUCCESS*;
 6. *a re-publish the broker refused ended the task FAILURE*;
-7. *RabbitMQ lost deferred tasks published without confirms*
+7. *RabbitMQ lost deferred tasks published without confirms*;
+8. *a fenced execution acked away the crash cover of its live twin*;
+9. *two threads making a metric at once failed a task (DuplicateTimeseries)*
    (see the tests' docstrings).
 """
 
 from __future__ import annotations
 
+import os
 import shlex
+import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -280,6 +284,43 @@ def test_a_late_copy_of_a_fenced_task_never_turns_its_failure_into_success(cell:
     assert len(cell.records(_is("start", tid))) == 1  # never ran again
 
 
+def test_a_fenced_copy_never_acks_away_the_crash_cover_of_its_live_twin(cell: Cell) -> None:
+    """8. *A task was lost after its restored twin's worker died.* A runs T and
+    pauses past the TTL and the visibility timeout; the broker restores T's
+    message and B runs it (same task id, same delivery tag). A resumes, is
+    fenced, and -- another execution of T holding the key -- acked: with the
+    Redis transport an ack of the shared tag removes B's unacked entry too,
+    so when B's child was SIGKILLed nothing was requeued and T never ended
+    (the long chaos run: one task "ended in no state"). A fenced execution
+    whose twin holds the key now leaves a deferred copy behind instead."""
+    cell.restart_env(vt=3.0)
+    key, tid = f"twin-{uuid.uuid4().hex[:6]}", str(uuid.uuid4())
+    a = cell.worker("a", "qa")
+    cell.tasks.exclusive.apply_async((key, 6.0, 0), task_id=tid, queue="qa")
+    wait_for(lambda: cell.records(_is("start", tid)), 30, "A's body to start")
+    a.stop_group()
+    try:
+        b = cell.worker("b", "qa")  # its restore sweep hands it T's message after 3 s
+        started = wait_for(
+            lambda: [r for r in cell.records(_is("start", tid)) if r["host"] == b.hostname],
+            30,
+            "B to run the restored copy of T",
+        )
+    finally:
+        a.cont_group()
+    wait_for(
+        lambda: [r for r in cell.records(_is("postrun", tid)) if r["pid"] != started[0]["pid"]],
+        30,
+        "A's execution to end, fenced",
+    )
+    os.kill(started[0]["pid"], signal.SIGKILL)  # B's child, mid-body
+    wait_for(
+        lambda: cell.state(tid)["status"] == "SUCCESS",
+        45,
+        "T to be redone after its last execution died",
+    )
+
+
 def test_an_event_lost_with_its_broker_connection_never_fails_the_task(
     make_redis_server: Callable[..., RedisServer],
 ) -> None:
@@ -383,3 +424,43 @@ def test_an_amqp_broker_without_publisher_confirms_is_warned_about(
     assert build({"CHAOS_BROKER": "amqp://guest:guest@127.0.0.1:1//"})[0].conf[
         "broker_transport_options"
     ] == {"confirm_publish": True}
+
+
+def test_two_threads_counting_for_the_first_time_make_one_metric() -> None:
+    """9. *A task failed with prometheus-client's DuplicateTimeseries.* Metrics
+    are made on first use; in a ``-P threads`` worker (and between a task and
+    the renewal thread) two threads could both find a metric unmade and both
+    register it: the second registration raised inside the task, which ended
+    FAILURE (a CI-sized chaos run: FAILURE DuplicateTimeseries -> SUCCESS).
+    The slow registration below widens the window the race needs."""
+    import threading
+
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from celery_lease.metrics import _Lazy
+
+    registry = prometheus_client.CollectorRegistry()
+    made = []
+
+    def make(p: Any) -> Any:
+        time.sleep(0.05)
+        made.append(1)
+        return p.Counter("chaos_regression_total", "doc", registry=registry)
+
+    metric = _Lazy(make)
+    errors: list[BaseException] = []
+    go = threading.Barrier(8)
+
+    def count() -> None:
+        go.wait()
+        try:
+            metric.inc()
+        except Exception as e:  # noqa: BLE001 - collected for the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=count) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and len(made) == 1
+    assert registry.get_sample_value("chaos_regression_total") == 8
