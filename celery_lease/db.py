@@ -12,21 +12,34 @@ PostgreSQL runs single statements in autocommit (one round trip each) and
 multi-statement work in READ COMMITTED transactions. SQLite runs everything
 in ``BEGIN IMMEDIATE`` transactions (one writer at a time, WAL journal), so
 its operations serialize without row locks.
+
+The hot paths (claim, renew, release, prepare, commit) run on the driver
+itself (psycopg 3, sqlite3) through :class:`Conn`, not through SQLAlchemy
+Core: the benchmarks showed SQLAlchemy's execution and pool checkout cost
+more per statement than the statement's round trip (BENCHMARKS.md). The
+connections are still made by SQLAlchemy (same URL handling, TLS options and
+connect events), then detached from its pool into a small free list here.
+SQLAlchemy keeps everything else: migrations, the CLI, ``fencing.guard`` in
+the caller's own transaction. On PostgreSQL, statements that must run one
+after the other with nothing in between are *pipelined* (sent together, one
+round trip), e.g. ``BEGIN`` with a transaction's first statement.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import re
 import threading
 import weakref
-from collections.abc import Iterator
+from collections import namedtuple
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from sqlalchemy import Connection, Engine, TextClause, create_engine, event, exc, text
+from sqlalchemy import Connection, Engine, TextClause, create_engine, event, exc
 from sqlalchemy.engine import make_url
 
 from celery_lease.exceptions import LeaseConfigError, LeaseError, StoreUnavailable
@@ -209,10 +222,9 @@ SELECT COALESCE(MAX(t), 0) FROM (
 SELECT_NOW = "SELECT {now}"
 
 
-@lru_cache(maxsize=512)
-def stmt(sql: str) -> TextClause:
-    """``text(sql)``, built once per distinct statement (the hot paths reuse them)."""
-    return text(sql)
+def stmt(sql: str) -> str:
+    """A statement for :meth:`Conn.execute` (kept for readability at call sites)."""
+    return sql
 
 
 def in_list(prefix: str, n: int) -> tuple[str, list[str]]:
@@ -263,22 +275,65 @@ class Database:
             self.single_engine: Engine = self.engine
         else:
             self.single_engine = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        dbapi = self.engine.dialect.loaded_dbapi
+        #: The driver's own errors (the hot paths run on the driver, see Conn).
+        self.driver_error: type[BaseException] = dbapi.Error
+        #: Those that mean "unavailable, retry later" rather than "wrong".
+        self.driver_unavailable: tuple[type[BaseException], ...] = (
+            dbapi.OperationalError,
+            dbapi.InterfaceError,
+        )
+        if self.is_sqlite:
+            self.pg_row_factory: Any = None
+        else:
+            from psycopg.rows import namedtuple_row
+
+            self.pg_row_factory = namedtuple_row
+        self._pool = _Pool(self)
         self._migrated = False
         _after_fork_dispose(self)
+
+    def in_transaction(self, raw: Any) -> bool:
+        """True when a driver connection is inside a transaction (or an aborted one)."""
+        if self.is_sqlite:
+            return bool(raw.in_transaction)
+        return bool(raw.info.transaction_status)  # psycopg.pq.TransactionStatus.IDLE is 0
+
+    def is_gone(self, raw: Any) -> bool:
+        """True when a driver connection can no longer be used (its server went away)."""
+        return raw is None or (not self.is_sqlite and (raw.closed or raw.broken))
 
     # -- running statements ------------------------------------------------
 
     @contextmanager
-    def transaction(self) -> Iterator[Connection]:
+    def transaction(self) -> Iterator[Conn]:
         """A short transaction (``BEGIN IMMEDIATE`` on SQLite); errors translated."""
-        with self.errors(), self.engine.begin() as conn:
+        with self._checkout(transaction=True) as conn:
             yield conn
 
     @contextmanager
-    def single(self) -> Iterator[Connection]:
-        """A connection for one statement: autocommit on PostgreSQL (one round trip)."""
-        with self.errors(), self.single_engine.begin() as conn:
+    def single(self) -> Iterator[Conn]:
+        """A connection for one statement: autocommit on PostgreSQL (one round trip).
+
+        SQLite runs it in a ``BEGIN IMMEDIATE`` transaction: a lone write
+        statement in WAL mode could otherwise fail at once (SQLITE_BUSY_SNAPSHOT)
+        instead of waiting its turn.
+        """
+        with self._checkout(transaction=self.is_sqlite) as conn:
             yield conn
+
+    @contextmanager
+    def _checkout(self, *, transaction: bool) -> Iterator[Conn]:
+        conn = Conn(self, *self._pool.get(), transaction=transaction)
+        try:
+            with self.errors():
+                if self.is_sqlite and transaction:
+                    conn.begin()
+                yield conn
+                conn.end(commit=True)
+        finally:
+            conn.end(commit=False)  # still open: an exception ended the block
+            self._pool.put(conn)
 
     @contextmanager
     def errors(self) -> Iterator[None]:
@@ -287,8 +342,11 @@ class Database:
             yield
         except exc.DBAPIError as e:
             raise translate_error(e, self.url) from e
+        except self.driver_error as e:
+            raise translate_driver_error(e, self.url, self.driver_unavailable) from e
 
     def dispose(self) -> None:
+        self._pool.close()
         self.engine.dispose()
 
     def now(self) -> float:
@@ -301,6 +359,281 @@ class Database:
             return
         migrate(self.url, _database=self)
         self._migrated = True
+
+
+# ---------------------------------------------------------------------------
+# The driver-level path (see the module docstring)
+
+_PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+
+
+@lru_cache(maxsize=1024)
+def _pyformat(sql: str) -> str:
+    """``:name`` placeholders as psycopg's ``%(name)s`` (``::`` casts left alone)."""
+    return _PARAM.sub(r"%(\1)s", sql.replace("%", "%%"))
+
+
+@lru_cache(maxsize=256)
+def _row_class(names: tuple[str, ...]) -> Any:
+    return namedtuple("Row", names, rename=True)  # type: ignore[misc]
+
+
+def _sqlite_row(cursor: Any, values: tuple[Any, ...]) -> Any:
+    """sqlite3 rows with attribute access, like psycopg's ``namedtuple_row``."""
+    return _row_class(tuple(d[0] for d in cursor.description))(*values)
+
+
+class Rows:
+    """A statement's rows, fetched at once (celery-lease's statements return few)."""
+
+    __slots__ = ("_rows", "rowcount")
+
+    def __init__(self, rows: list[Any], rowcount: int) -> None:
+        self._rows = rows
+        self.rowcount = rowcount
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._rows)
+
+    def all(self) -> list[Any]:
+        return self._rows
+
+    def first(self) -> Any:
+        return self._rows[0] if self._rows else None
+
+    def one(self) -> Any:
+        if len(self._rows) != 1:
+            raise LeaseError(f"expected exactly one row, the database returned {len(self._rows)}")
+        return self._rows[0]
+
+    def scalar(self) -> Any:
+        return self._rows[0][0] if self._rows else None
+
+    def scalar_one(self) -> Any:
+        return self.one()[0]
+
+
+class Conn:
+    """A driver connection checked out for one statement or one transaction.
+
+    Offers the small part of SQLAlchemy's ``Connection`` that celery-lease
+    uses: :meth:`execute` with ``:name`` parameters (a string or a
+    ``text()``), :meth:`exec_driver_sql` and :meth:`rollback`, plus
+    :meth:`pipeline`.
+
+    A connection taken from the free list may have died with its server (a
+    restart): if the first statement on it fails because the connection is
+    gone, it is replaced and the statement sent again, once. Nothing ran on
+    the dead session, and every operation of the stores is idempotent anyway.
+    """
+
+    __slots__ = ("_cursor", "db", "in_transaction", "pending_begin", "raw", "reused")
+
+    def __init__(self, db: Database, raw: Any, reused: bool, *, transaction: bool):
+        self.db = db
+        self.raw = raw
+        self.reused = reused
+        # PostgreSQL: BEGIN is sent with the transaction's first statement.
+        self.pending_begin = transaction and not db.is_sqlite
+        self.in_transaction = False
+        self._cursor: Any = None
+
+    # -- the SQLAlchemy-like surface ------------------------------------------
+
+    def execute(
+        self, sql: str | TextClause, params: Mapping[str, Any] | None = None
+    ) -> Rows:
+        if isinstance(sql, TextClause):
+            sql = sql.text
+        return self._run([(sql, params)])[0]
+
+    def exec_driver_sql(self, sql: str) -> Rows:
+        return self._run([(sql, None)])[0]
+
+    def pipeline(self, *statements: tuple[str, Mapping[str, Any] | None]) -> list[Rows]:
+        """Run statements one after the other, in one round trip on PostgreSQL.
+
+        The server runs each only after the previous one finished (so each
+        reads a snapshot taken after its predecessor's lock waits), as if
+        they were sent one by one; outside a transaction they share one
+        implicit transaction, ended right after the last.
+        """
+        return self._run(list(statements))
+
+    def commit_after(self, sql: str, params: Mapping[str, Any] | None = None) -> Rows:
+        """Run the transaction's last statement and COMMIT with it (one round trip)."""
+        rows = self._run([(sql, params), ("COMMIT", None)])[0]
+        self.in_transaction = False
+        return rows
+
+    def rollback(self) -> None:
+        """End the transaction now, undoing it; the block's end then does nothing."""
+        if self.in_transaction and self.raw is not None:
+            self.in_transaction = False
+            self._send([("ROLLBACK", None)])
+
+    # -- transaction edges (used by Database._checkout) ----------------------
+
+    def begin(self) -> None:
+        """SQLite: take the write lock now (waits up to busy_timeout)."""
+        self._run([("BEGIN IMMEDIATE", None)])
+
+    def end(self, *, commit: bool) -> None:
+        if self.raw is None:  # discarded: the server ended the transaction with the session
+            self.in_transaction = False
+        if not self.in_transaction:
+            return
+        if commit:
+            self.in_transaction = False
+            self._run([("COMMIT", None)])
+            return
+        self.in_transaction = False
+        try:
+            self._send([("ROLLBACK", None)])
+        except self.db.driver_error:
+            self.discard()  # the connection is no use; the error that ended the block wins
+
+    def discard(self) -> None:
+        """Never hand this connection out again."""
+        self.reused = False
+        if self.raw is not None:
+            _close_quietly(self.raw, self.db.driver_error)
+            self.raw = None
+            self._cursor = None
+
+    # -- running -------------------------------------------------------------
+
+    def _run(self, statements: list[tuple[str, Mapping[str, Any] | None]]) -> list[Rows]:
+        if self.pending_begin:
+            statements = [("BEGIN", None), *statements]
+        if statements[0][0] in ("BEGIN", "BEGIN IMMEDIATE"):
+            self.in_transaction = True  # even if the rest fails: the block's end rolls back
+        try:
+            out = self._send(statements)
+        except self.db.driver_error:
+            if not (self.reused and self.db.is_gone(self.raw)):
+                if self.db.is_gone(self.raw):
+                    self.discard()
+                raise
+            # A stale connection from the free list: replace it, send again once.
+            self.discard()
+            self.raw = self.db._pool.connect()
+            out = self._send(statements)
+        self.reused = False
+        if self.pending_begin:
+            self.pending_begin = False
+            out = out[1:]
+        return out
+
+    def _send(self, statements: list[tuple[str, Mapping[str, Any] | None]]) -> list[Rows]:
+        raw = self.raw
+        if self.db.is_sqlite:
+            out = []
+            for sql, params in statements:
+                cur = raw.execute(sql, params or ())
+                out.append(Rows(cur.fetchall(), cur.rowcount))
+            return out
+        if len(statements) == 1:
+            sql, params = statements[0]
+            cur = self._cursor
+            if cur is None:
+                cur = self._cursor = raw.cursor(row_factory=self.db.pg_row_factory)
+            cur.execute(sql if params is None else _pyformat(sql), params)
+            return [Rows(cur.fetchall() if cur.description else [], cur.rowcount)]
+        cursors = []
+        with raw.pipeline():
+            for sql, params in statements:
+                cur = raw.cursor(row_factory=self.db.pg_row_factory)
+                cur.execute(sql if params is None else _pyformat(sql), params)
+                cursors.append(cur)
+        return [Rows(c.fetchall() if c.description else [], c.rowcount) for c in cursors]
+
+
+def _close_quietly(raw: Any, driver_error: type[BaseException]) -> None:
+    try:
+        raw.close()
+    except driver_error:
+        pass  # already broken: nothing left to close
+
+
+#: Connections a forked child inherited: never closed or finalized there
+#: (closing would end the parent's sessions), only kept from the collector.
+_ORPHANS: list[Any] = []
+
+
+class _Pool:
+    """This process's idle driver connections for one database (a free list)."""
+
+    MAX_IDLE = 8
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self.idle: list[Any] = []
+        self.pid = os.getpid()
+
+    def get(self) -> tuple[Any, bool]:
+        if self.pid != os.getpid():
+            self.forget()
+        try:
+            return self.idle.pop(), True
+        except IndexError:
+            return self.connect(), False
+
+    def connect(self) -> Any:
+        """A new connection, made by SQLAlchemy (URL, TLS, connect events), then detached."""
+        with self.db.errors():
+            fairy = self.db.engine.raw_connection()
+        fairy.detach()  # ours from now on: SQLAlchemy neither pools nor finalizes it
+        raw = fairy.dbapi_connection
+        if self.db.is_sqlite:
+            raw.row_factory = _sqlite_row
+        else:
+            raw.autocommit = True
+        return raw
+
+    def put(self, conn: Conn) -> None:
+        if conn.raw is None:
+            return
+        if conn.in_transaction or self.db.is_gone(conn.raw) or self.db.in_transaction(conn.raw):
+            conn.discard()  # never hand out a session in an unknown state
+        elif self.pid == os.getpid() and len(self.idle) < self.MAX_IDLE:
+            self.idle.append(conn.raw)
+        else:
+            conn.discard()
+
+    def forget(self) -> None:
+        """In a forked child: drop the parent's connections without touching them."""
+        _ORPHANS.extend(self.idle)
+        self.idle = []
+        self.pid = os.getpid()
+
+    def close(self) -> None:
+        idle, self.idle = self.idle, []
+        for raw in idle:
+            _close_quietly(raw, self.db.driver_error)
+
+
+def translate_driver_error(
+    e: BaseException, url: str, unavailable: tuple[type[BaseException], ...]
+) -> LeaseError:
+    """:func:`translate_error` for an error raised by the driver itself."""
+    from celery_lease.stores.base import redact_url
+
+    text = str(e)
+    lowered = text.lower()
+    if "no such table" in lowered or ("does not exist" in lowered and "relation" in lowered):
+        return LeaseConfigError(
+            f"celery-lease tables are missing in {redact_url(url)}: run "
+            f"`celery -A proj lease migrate` (or celery_lease.migrate(url)) first ({text.strip()})"
+        )
+    sqlstate = str(getattr(e, "sqlstate", None) or "")
+    if sqlstate[:2] in ("22", "54") and not isinstance(e, unavailable):
+        return LeaseError(f"database {redact_url(url)} refused the value: {text.strip()}")
+    if isinstance(e, unavailable):
+        return StoreUnavailable(f"database {redact_url(url)} unavailable: {text.strip()}")
+    if "deadlock detected" in lowered or "could not serialize" in lowered:
+        return StoreUnavailable(f"database {redact_url(url)}: transient conflict: {text.strip()}")
+    return LeaseError(f"database {redact_url(url)}: {text.strip()}")
 
 
 def translate_error(e: exc.DBAPIError, url: str) -> LeaseError:
@@ -361,6 +694,7 @@ def _after_fork_dispose(db: Database) -> None:
         d = ref()
         if d is not None:
             d.engine.dispose(close=False)
+            d._pool.forget()
 
     os.register_at_fork(after_in_child=_reset)
 

@@ -54,8 +54,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Row
-
 from celery_lease import db as q
 from celery_lease.exceptions import (
     DuplicateResult,
@@ -198,6 +196,42 @@ class ResultTable:
                 lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
             )
 
+    def claim_prepared(
+        self,
+        key: str,
+        *,
+        ttl: float,
+        owner_id: str,
+        meta: dict[str, str | None],
+        task_id: str | None,
+        once: bool,
+    ) -> tuple[Lease | None, Prepared | None]:
+        """Leases in this database (:attr:`colocated`) only: claim ``key`` and
+        :meth:`prepare` together, one round trip on PostgreSQL (the claim and
+        the look-up pipelined; there is nothing to register). Returns
+        ``(None, None)`` when not granted. With leases elsewhere, claim from
+        the store and call :meth:`prepare` (it may refuse a granted lease,
+        which the caller must then release).
+        """
+        from celery_lease.stores.sql import SQLLeaseStore
+
+        if not (self.colocated and isinstance(self.store, SQLLeaseStore)):
+            raise LeaseConfigError("claim_prepared needs the leases in the result database")
+        lookup = {"token": None, "task_id": task_id, "once": once}
+        lease, rows = self.store.claim_then(
+            key, (q.PREPARE_LOOKUP, lookup), ttl=ttl, owner_id=owner_id, meta=meta
+        )
+        if lease is None or rows is None:
+            return None, None
+        return lease, self._prepared(rows.one())
+
+    @staticmethod
+    def _prepared(row: Any) -> Prepared:
+        return Prepared(
+            None if row.task_token is None else int(row.task_token),
+            None if row.duplicate_token is None else int(row.duplicate_token),
+        )
+
     def prepare(self, lease: Lease, task_id: str | None, *, once: bool) -> Prepared:
         """Before the body: :meth:`register` the token and look up earlier results.
 
@@ -210,38 +244,24 @@ class ResultTable:
         registration waits for that commit, and only a statement started after
         the wait sees the accepted row (one statement would read the results
         with a snapshot taken before the wait, and run an accepted task again).
-        On PostgreSQL both run in autocommit (two round trips; one when the
-        leases live in this database and nothing is registered).
+        On PostgreSQL both are pipelined: sent together, one round trip, the
+        server running the look-up after the registration returned.
         """
-        register = not self.colocated
         params = {"key": lease.key, "token": lease.token, "task_id": task_id, "once": once}
-        registered = True
-        if self.db.is_sqlite:
-            with self.db.transaction() as conn:
-                if register:
-                    registered = bool(
-                        conn.execute(
-                            q.stmt(q.RESULT_REGISTER.format(now=self.db.now_sql)), params
-                        ).all()
-                    )
-                row = conn.execute(q.stmt(q.PREPARE_LOOKUP), params).one()
-        else:
-            with self.db.single() as conn:
-                if register:
-                    registered = bool(
-                        conn.execute(
-                            q.stmt(q.RESULT_REGISTER.format(now=self.db.now_sql)), params
-                        ).all()
-                    )
-                row = conn.execute(q.stmt(q.PREPARE_LOOKUP), params).one()
+        statements = [(q.PREPARE_LOOKUP, params)]
+        if not self.colocated:
+            statements.insert(0, (q.RESULT_REGISTER.format(now=self.db.now_sql), params))
+        # PostgreSQL: pipelined, so one round trip; the server still starts the
+        # look-up only after the registration (and any wait for its lock) ended.
+        with self.db.single() as conn:
+            out = conn.pipeline(*statements)
+        row = out[-1].one()
+        registered = len(out) == 1 or bool(out[0].all())
         if not registered:
             raise StaleFencingToken(
                 lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
             )
-        return Prepared(
-            None if row.task_token is None else int(row.task_token),
-            None if row.duplicate_token is None else int(row.duplicate_token),
-        )
+        return self._prepared(row)
 
     # -- the commit --------------------------------------------------------
 
@@ -309,8 +329,13 @@ class ResultTable:
             row["root_id"],
         )
 
-    def _insert(self, conn: Connection, row: dict[str, Any], once: bool) -> float:
+    def _insert(
+        self, conn: q.Conn, row: dict[str, Any], once: bool, *, commit: bool = False
+    ) -> float:
         """Insert the result row (the caller holds the key's lock); its accepted_at.
+
+        ``commit``: the insert ends the transaction (sent with its COMMIT, one
+        round trip on PostgreSQL).
 
         Raises :class:`DuplicateResult` when nothing was written: once mode found
         an accepted row for the key, or this very commit was accepted earlier
@@ -320,13 +345,15 @@ class ResultTable:
             result=":result" if self.db.is_sqlite else "CAST(:result AS jsonb)",
             now=self.db.now_sql,
         )
-        accepted_at = conn.execute(q.stmt(sql), {**row, "once": once}).scalar()
+        params = {**row, "once": once}
+        inserted = conn.commit_after(sql, params) if commit else conn.execute(sql, params)
+        accepted_at = inserted.scalar()
         if accepted_at is None:
             duplicate = conn.execute(q.stmt(q.RESULT_DUPLICATE), {"key": row["key"]}).scalar()
             raise DuplicateResult(row["key"], None if duplicate is None else int(duplicate))
         return float(accepted_at)
 
-    def _now(self, conn: Connection) -> float:
+    def _now(self, conn: q.Conn) -> float:
         return float(conn.exec_driver_sql(q.SELECT_NOW.format(now=self.db.now_sql)).scalar_one())
 
     def _commit_colocated(
@@ -412,7 +439,7 @@ class ResultTable:
                         self.store.fence_token(lease.key),
                         "the lease expired or was taken over before the commit",
                     )
-                return self._insert(conn, row, mode == "once")
+                return self._insert(conn, row, mode == "once", commit=True)
         except DuplicateResult:
             if release and not released:
                 self._release_quietly(lease)
@@ -480,7 +507,7 @@ class ResultTable:
             row = conn.execute(q.stmt(sql), dict(params)).first()
         return None if row is None else self._result(row)
 
-    def _result(self, row: Row[Any]) -> AcceptedResult:
+    def _result(self, row: Any) -> AcceptedResult:
         value = row.result
         if isinstance(value, str) and self.db.is_sqlite:
             value = json.loads(value)

@@ -21,11 +21,17 @@ from __future__ import annotations
 import builtins
 from typing import Any
 
-from sqlalchemy import Connection, Row
-
 from celery_lease import db as q
 from celery_lease.exceptions import StoreUnavailable
-from celery_lease.stores.base import META_FIELDS, Lease, LeaseRecord, LeaseStore
+from celery_lease.stores.base import (
+    META_FIELDS,
+    Lease,
+    LeaseRecord,
+    LeaseStore,
+    check_meta,
+    check_ttl,
+    normalize_keys,
+)
 
 __all__ = ["SQLLeaseStore"]
 
@@ -42,6 +48,60 @@ class SQLLeaseStore(LeaseStore):
 
     # -- claim -----------------------------------------------------------
 
+    def claim_then(
+        self,
+        key: str | builtins.list[str],
+        then: tuple[str, dict[str, Any]],
+        *,
+        ttl: float,
+        owner_id: str,
+        meta: dict[str, str | None] | None = None,
+    ) -> tuple[Lease | None, q.Rows | None]:
+        """:meth:`claim`, then one statement of the caller's (``:key`` bound to
+        ``Lease.key``); its rows, or None when nothing was granted.
+
+        The statement runs after the claim returned, so it reads a snapshot
+        taken after any wait for the claim's row locks (a commit that released
+        the key is visible to it). On PostgreSQL, for one key, the two are
+        pipelined: one round trip.
+        """
+        primary, keys = normalize_keys(key)
+        ttl, checked = check_ttl(ttl), check_meta(meta)
+        sql, params = then
+        params = {**params, "key": primary}
+        claim = {f: checked.get(f) for f in META_FIELDS}
+        claim.update(owner_id=owner_id, ttl=ttl)
+        if self.db.is_sqlite or len(keys) != 1:
+            # In the claim's own transaction, after it (one SQLite transaction).
+            return self._claim_in_transaction(primary, keys, claim, checked, then=(sql, params))
+        claim["key"] = primary
+        with self.db.single() as conn:
+            granted, rows = conn.pipeline((q.PG_CLAIM_ONE, claim), (sql, params))
+        row = granted.first()
+        if row is None:
+            return None, None
+        return self._granted(primary, keys, owner_id, ttl, checked, row), rows
+
+    @staticmethod
+    def _granted(
+        primary: str,
+        keys: tuple[str, ...],
+        owner_id: str,
+        ttl: float,
+        meta: dict[str, str],
+        row: Any,
+    ) -> Lease:
+        return Lease(
+            primary,
+            keys,
+            owner_id,
+            int(row.fencing_token),
+            float(row.expires_at),
+            float(row.acquired_at),
+            ttl,
+            meta,
+        )
+
     def do_claim(
         self,
         primary: str,
@@ -57,20 +117,24 @@ class SQLLeaseStore(LeaseStore):
                 row = conn.execute(q.stmt(q.PG_CLAIM_ONE), {**params, "key": keys[0]}).first()
             if row is None:
                 return None
-            return Lease(
-                primary,
-                keys,
-                owner_id,
-                int(row.fencing_token),
-                float(row.expires_at),
-                float(row.acquired_at),
-                ttl,
-                meta,
-            )
+            return self._granted(primary, keys, owner_id, ttl, meta, row)
+        return self._claim_in_transaction(primary, keys, params, meta)[0]
+
+    def _claim_in_transaction(
+        self,
+        primary: str,
+        keys: tuple[str, ...],
+        params: dict[str, Any],
+        meta: dict[str, str],
+        then: tuple[str, dict[str, Any]] | None = None,
+    ) -> tuple[Lease | None, q.Rows | None]:
         for attempt in range(_RETRIES):
             try:
                 with self.db.transaction() as conn:
-                    return self._claim_txn(conn, primary, keys, params, meta)
+                    lease = self._claim_txn(conn, primary, keys, params, meta)
+                    if lease is None or then is None:
+                        return lease, None
+                    return lease, conn.execute(*then)
             except StoreUnavailable:
                 if attempt == _RETRIES - 1:
                     raise
@@ -78,7 +142,7 @@ class SQLLeaseStore(LeaseStore):
 
     def _claim_txn(
         self,
-        conn: Connection,
+        conn: q.Conn,
         primary: str,
         keys: tuple[str, ...],
         params: dict[str, Any],
@@ -211,14 +275,14 @@ class SQLLeaseStore(LeaseStore):
     def do_time(self) -> float:
         return self.db.now()
 
-    def _now(self, conn: Connection) -> float:
+    def _now(self, conn: q.Conn) -> float:
         return float(conn.exec_driver_sql(q.SELECT_NOW.format(now=self.db.now_sql)).scalar_one())
 
     def close(self) -> None:
         self.db.dispose()
 
 
-def _record(row: Row[Any], fence: Any = None) -> LeaseRecord:
+def _record(row: Any, fence: Any = None) -> LeaseRecord:
     token = int(row.fencing_token)
     if fence is not None:
         token = max(token, int(fence))
