@@ -33,7 +33,7 @@ import re
 import threading
 import weakref
 from collections import namedtuple
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from functools import lru_cache
 from importlib import resources
@@ -297,7 +297,7 @@ class Database:
         """True when a driver connection is inside a transaction (or an aborted one)."""
         if self.is_sqlite:
             return bool(raw.in_transaction)
-        return bool(raw.info.transaction_status)  # psycopg.pq.TransactionStatus.IDLE is 0
+        return bool(raw.pgconn.transaction_status)  # psycopg.pq.TransactionStatus.IDLE is 0
 
     def is_gone(self, raw: Any) -> bool:
         """True when a driver connection can no longer be used (its server went away)."""
@@ -305,45 +305,35 @@ class Database:
 
     # -- running statements ------------------------------------------------
 
-    @contextmanager
-    def transaction(self) -> Iterator[Conn]:
-        """A short transaction (``BEGIN IMMEDIATE`` on SQLite); errors translated."""
-        with self._checkout(transaction=True) as conn:
-            yield conn
+    def transaction(self) -> Conn:
+        """``with db.transaction() as conn``: a short transaction (``BEGIN IMMEDIATE``
+        on SQLite), committed at the block's end, rolled back on an exception;
+        driver errors translated."""
+        return Conn(self, *self._pool.get(), transaction=True)
 
-    @contextmanager
-    def single(self) -> Iterator[Conn]:
-        """A connection for one statement: autocommit on PostgreSQL (one round trip).
+    def single(self) -> Conn:
+        """``with db.single() as conn``: for one statement, autocommit on PostgreSQL
+        (one round trip).
 
         SQLite runs it in a ``BEGIN IMMEDIATE`` transaction: a lone write
         statement in WAL mode could otherwise fail at once (SQLITE_BUSY_SNAPSHOT)
         instead of waiting its turn.
         """
-        with self._checkout(transaction=self.is_sqlite) as conn:
-            yield conn
+        return Conn(self, *self._pool.get(), transaction=self.is_sqlite)
 
-    @contextmanager
-    def _checkout(self, *, transaction: bool) -> Iterator[Conn]:
-        conn = Conn(self, *self._pool.get(), transaction=transaction)
-        try:
-            with self.errors():
-                if self.is_sqlite and transaction:
-                    conn.begin()
-                yield conn
-                conn.end(commit=True)
-        finally:
-            conn.end(commit=False)  # still open: an exception ended the block
-            self._pool.put(conn)
+    def translate(self, e: BaseException) -> LeaseError:
+        """celery-lease's error for a driver (or SQLAlchemy) error."""
+        if isinstance(e, exc.DBAPIError):
+            return translate_error(e, self.url)
+        return translate_driver_error(e, self.url, self.driver_unavailable)
 
     @contextmanager
     def errors(self) -> Iterator[None]:
         """Translate driver errors into celery-lease's (the one place that does)."""
         try:
             yield
-        except exc.DBAPIError as e:
-            raise translate_error(e, self.url) from e
-        except self.driver_error as e:
-            raise translate_driver_error(e, self.url, self.driver_unavailable) from e
+        except (exc.DBAPIError, self.driver_error) as e:
+            raise self.translate(e) from e
 
     def dispose(self) -> None:
         self._pool.close()
@@ -375,7 +365,7 @@ def _pyformat(sql: str) -> str:
 
 @lru_cache(maxsize=256)
 def _row_class(names: tuple[str, ...]) -> Any:
-    return namedtuple("Row", names, rename=True)  # type: ignore[misc]
+    return namedtuple("Row", names, rename=True)
 
 
 def _sqlite_row(cursor: Any, values: tuple[Any, ...]) -> Any:
@@ -427,22 +417,49 @@ class Conn:
     the dead session, and every operation of the stores is idempotent anyway.
     """
 
-    __slots__ = ("_cursor", "db", "in_transaction", "pending_begin", "raw", "reused")
+    __slots__ = ("cursor", "db", "in_transaction", "pending_begin", "raw", "reused", "transaction")
 
-    def __init__(self, db: Database, raw: Any, reused: bool, *, transaction: bool):
+    def __init__(self, db: Database, raw: Any, cursor: Any, reused: bool, *, transaction: bool):
         self.db = db
         self.raw = raw
+        self.cursor = cursor  # PostgreSQL: the connection's own, reused
         self.reused = reused
+        self.transaction = transaction
         # PostgreSQL: BEGIN is sent with the transaction's first statement.
         self.pending_begin = transaction and not db.is_sqlite
         self.in_transaction = False
-        self._cursor: Any = None
+
+    def __enter__(self) -> Conn:
+        entered = False
+        try:
+            if self.transaction and self.db.is_sqlite:
+                self.begin()
+            entered = True
+        except self.db.driver_error as e:
+            raise self.db.translate(e) from e
+        finally:
+            if not entered:
+                self._check_in()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        try:
+            if exc is None:
+                self.end(commit=True)
+        except self.db.driver_error as e:
+            raise self.db.translate(e) from e
+        finally:
+            self._check_in()
+        if isinstance(exc, self.db.driver_error):
+            raise self.db.translate(exc) from exc
+
+    def _check_in(self) -> None:
+        self.end(commit=False)  # still open: an exception ended the block
+        self.db._pool.put(self)
 
     # -- the SQLAlchemy-like surface ------------------------------------------
 
-    def execute(
-        self, sql: str | TextClause, params: Mapping[str, Any] | None = None
-    ) -> Rows:
+    def execute(self, sql: str | TextClause, params: Mapping[str, Any] | None = None) -> Rows:
         if isinstance(sql, TextClause):
             sql = sql.text
         return self._run([(sql, params)])[0]
@@ -498,8 +515,7 @@ class Conn:
         self.reused = False
         if self.raw is not None:
             _close_quietly(self.raw, self.db.driver_error)
-            self.raw = None
-            self._cursor = None
+            self.raw = self.cursor = None
 
     # -- running -------------------------------------------------------------
 
@@ -517,7 +533,7 @@ class Conn:
                 raise
             # A stale connection from the free list: replace it, send again once.
             self.discard()
-            self.raw = self.db._pool.connect()
+            self.raw, self.cursor = self.db._pool.connect()
             out = self._send(statements)
         self.reused = False
         if self.pending_begin:
@@ -535,9 +551,7 @@ class Conn:
             return out
         if len(statements) == 1:
             sql, params = statements[0]
-            cur = self._cursor
-            if cur is None:
-                cur = self._cursor = raw.cursor(row_factory=self.db.pg_row_factory)
+            cur = self.cursor
             cur.execute(sql if params is None else _pyformat(sql), params)
             return [Rows(cur.fetchall() if cur.description else [], cur.rowcount)]
         cursors = []
@@ -571,25 +585,27 @@ class _Pool:
         self.idle: list[Any] = []
         self.pid = os.getpid()
 
-    def get(self) -> tuple[Any, bool]:
+    def get(self) -> tuple[Any, Any, bool]:
+        """``(connection, its cursor, taken from the free list)``."""
         if self.pid != os.getpid():
             self.forget()
         try:
-            return self.idle.pop(), True
+            raw, cursor = self.idle.pop()
         except IndexError:
-            return self.connect(), False
+            return (*self.connect(), False)
+        return raw, cursor, True
 
-    def connect(self) -> Any:
+    def connect(self) -> tuple[Any, Any]:
         """A new connection, made by SQLAlchemy (URL, TLS, connect events), then detached."""
         with self.db.errors():
             fairy = self.db.engine.raw_connection()
         fairy.detach()  # ours from now on: SQLAlchemy neither pools nor finalizes it
-        raw = fairy.dbapi_connection
+        raw: Any = fairy.dbapi_connection
         if self.db.is_sqlite:
             raw.row_factory = _sqlite_row
-        else:
-            raw.autocommit = True
-        return raw
+            return raw, None
+        raw.autocommit = True
+        return raw, raw.cursor(row_factory=self.db.pg_row_factory)
 
     def put(self, conn: Conn) -> None:
         if conn.raw is None:
@@ -597,7 +613,7 @@ class _Pool:
         if conn.in_transaction or self.db.is_gone(conn.raw) or self.db.in_transaction(conn.raw):
             conn.discard()  # never hand out a session in an unknown state
         elif self.pid == os.getpid() and len(self.idle) < self.MAX_IDLE:
-            self.idle.append(conn.raw)
+            self.idle.append((conn.raw, conn.cursor))
         else:
             conn.discard()
 
@@ -609,7 +625,7 @@ class _Pool:
 
     def close(self) -> None:
         idle, self.idle = self.idle, []
-        for raw in idle:
+        for raw, _ in idle:
             _close_quietly(raw, self.db.driver_error)
 
 

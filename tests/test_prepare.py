@@ -31,7 +31,6 @@ from tests.results_helpers import PAIRINGS, Pairing, make_pairing, new_key, wait
 pytestmark = pytest.mark.timeout(120)
 
 
-
 @pytest.fixture(params=PAIRINGS)
 def pairing(request: pytest.FixtureRequest) -> Iterator[Pairing]:
     p = make_pairing(request, request.param)
@@ -52,7 +51,9 @@ def claim_and_prepare(p: Pairing, key: str, owner: str, task_id: str, once: bool
 
 
 @pytest.mark.parametrize("once", [False, True], ids=["exclusive", "once"])
-def test_the_look_up_finds_an_accepted_task_and_a_duplicate_key(pairing: Pairing, once: bool) -> None:
+def test_the_look_up_finds_an_accepted_task_and_a_duplicate_key(
+    pairing: Pairing, once: bool
+) -> None:
     key, T, T2 = new_key(), new_key("task"), new_key("task")
     lease, prepared = claim_and_prepare(pairing, key, "owner-a", T, once)
     assert lease is not None and prepared == Prepared(None, None)

@@ -187,7 +187,7 @@ def test_postgres_outage_without_prior_use_recovers(
     key = new_key()
     leases = [claim_ok(store, new_key(), A) for _ in range(3)]
     held = claim_ok(store, key, A)
-    idle = list(store.db._pool.idle)  # type: ignore[attr-defined]
+    idle = [raw for raw, _cursor in store.db._pool.idle]  # type: ignore[attr-defined]
     assert idle, "the store kept no idle connection: nothing stale to test"
     before = {raw.info.backend_pid for raw in idle}
     server.stop("immediate")

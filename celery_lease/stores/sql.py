@@ -69,7 +69,7 @@ class SQLLeaseStore(LeaseStore):
         ttl, checked = check_ttl(ttl), check_meta(meta)
         sql, params = then
         params = {**params, "key": primary}
-        claim = {f: checked.get(f) for f in META_FIELDS}
+        claim: dict[str, Any] = {f: checked.get(f) for f in META_FIELDS}
         claim.update(owner_id=owner_id, ttl=ttl)
         if self.db.is_sqlite or len(keys) != 1:
             # In the claim's own transaction, after it (one SQLite transaction).
