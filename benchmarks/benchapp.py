@@ -15,7 +15,9 @@ Variables:
 - ``BENCH_STORE`` / ``BENCH_RESULTS``: ``lease_store_url`` / ``lease_result_url`` (leased);
   ``BENCH_LEASE_COMMIT=0``: ``lease_commit=False``
 - ``BENCH_TIMES_DIR``: where completion times go
-- ``BENCH_SQL_TRACE``: count SQLite statements (the count is written with each time)
+- ``BENCH_SQL_TRACE``: count SQLite statements (the count is written with each time),
+  and PostgreSQL round trips and statements as celery-lease's driver layer sends them
+  (``celery_lease.db.PG_TRAFFIC``: pipelining sends several statements per round trip)
 - ``BENCH_PROFILE``: cProfile the tasks of a solo worker, dump stats there at shutdown
   (``BENCH_PROFILE_SKIP``: after that many warm-up tasks; ``BENCH_PROFILE_UNTIL``: stop
   after that many tasks)
@@ -177,12 +179,17 @@ def _write_time(**_: Any) -> None:
         # counting runs only: the per-statement histogram after warm-up and at the end
         _completed[0] += 1
         directory = os.environ["BENCH_TIMES_DIR"]
-        data = json.dumps(_sql_by_statement)
-        if _completed[0] == int(os.environ.get("BENCH_SQL_WARM", "0")):
-            with open(os.path.join(directory, f"sqlhist-warm-{pid}.json"), "w") as fh:
+        from celery_lease.db import PG_TRAFFIC
+
+        for name, data in (
+            ("sqlhist", json.dumps(_sql_by_statement)),
+            ("pgtraffic", json.dumps(PG_TRAFFIC)),
+        ):
+            if _completed[0] == int(os.environ.get("BENCH_SQL_WARM", "0")):
+                with open(os.path.join(directory, f"{name}-warm-{pid}.json"), "w") as fh:
+                    fh.write(data)
+            with open(os.path.join(directory, f"{name}-last-{pid}.json"), "w") as fh:
                 fh.write(data)
-        with open(os.path.join(directory, f"sqlhist-last-{pid}.json"), "w") as fh:
-            fh.write(data)
 
 
 _profiler: Any = None

@@ -373,6 +373,12 @@ def _sqlite_row(cursor: Any, values: tuple[Any, ...]) -> Any:
     return _row_class(tuple(d[0] for d in cursor.description))(*values)
 
 
+#: PostgreSQL traffic of this process's hot paths (:class:`Conn`): round trips,
+#: and the statements they carried (pipelining makes the two differ). Read by
+#: the benchmarks; plain counters, not locked (exact in a single thread).
+PG_TRAFFIC = {"round_trips": 0, "statements": 0}
+
+
 class Rows:
     """A statement's rows, fetched at once (celery-lease's statements return few)."""
 
@@ -549,6 +555,8 @@ class Conn:
                 cur = raw.execute(sql, params or ())
                 out.append(Rows(cur.fetchall(), cur.rowcount))
             return out
+        PG_TRAFFIC["round_trips"] += 1
+        PG_TRAFFIC["statements"] += len(statements)
         if len(statements) == 1:
             sql, params = statements[0]
             cur = self.cursor
