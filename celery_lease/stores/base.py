@@ -137,6 +137,9 @@ def normalize_keys(key: str | Sequence[str]) -> tuple[str, tuple[str, ...]]:
 def check_ttl(ttl: float) -> float:
     # Finite too: an infinite TTL would be a lease that never expires (SQL) or a
     # driver OverflowError (Redis); every lease has a bounded TTL.
+    kind = type(ttl)
+    if (kind is float or kind is int) and 0 < ttl < math.inf:  # NaN compares False
+        return float(ttl)
     if (
         not isinstance(ttl, (int, float))
         or isinstance(ttl, bool)
@@ -210,7 +213,11 @@ class LeaseStore(ABC):
 
         Returns the :class:`Lease`, or None while another live owner holds a key.
         """
-        primary, keys = normalize_keys(key)
+        if type(key) is str and key:  # the common case, one key: what normalize_keys does
+            primary = shorten(key)
+            keys: tuple[str, ...] = (primary,)
+        else:
+            primary, keys = normalize_keys(key)
         return self.do_claim(
             primary, keys, owner_id or new_owner_id(), check_ttl(ttl), check_meta(meta)
         )

@@ -17,19 +17,26 @@ does not step back across a data loss; run Redis with ``appendfsync always``
 where that is not acceptable.
 
 Every script is owner-checked and atomic; each is one round trip (EVALSHA,
-with redis-py's fallback to EVAL when the server lost its script cache).
+or EVAL when the server lost its script cache). The store sends them itself on
+connections it keeps checked out of the redis-py client's pool (see
+``RedisLeaseStore._run``), not through ``Script``/``execute_command``, whose
+per-command machinery costs more than the round trip; ``list`` and the plain
+commands use the client as usual.
 """
 
 from __future__ import annotations
 
 import builtins
+import inspect
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import redis
+from redis.commands.core import Script
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import NoScriptError, ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_lease.exceptions import LeaseConfigError, LeaseError, StoreUnavailable
@@ -39,40 +46,62 @@ __all__ = ["RedisLeaseStore"]
 
 # CLAIM: grant every key or none, with one token.
 # KEYS: n lease hashes, then the n fence counters of the same keys (same order)
-# ARGV: owner_id, ttl_ms, task_id, task_name, root_id, tenant
+# ARGV: owner_id, ttl_ms[, task_id, task_name, root_id, tenant]
+#       (the metadata is optional; only non-empty values are stored: an absent
+#       field reads back as None, like an empty one)
 # A released hash (tombstone) counts as free; the owner claiming again is re-granted.
 # Expiry is decided by the 'expires' field against TIME, like INSPECT does: the
 # hash's PEXPIRE deletes it only in the next millisecond or later.
-# Returns {1, token, expires_us, now_us}            granted
+# Numbers go to redis.call and into the reply as Lua numbers: Redis formats
+# them with 17 significant digits (exact below 2^53, so a µs timestamp reads
+# back digit for digit) and replies integers, with no string.format.
+# The fence is swapped to TIME first (GETSET: one call where GET + SET took
+# two); in the rare case a counter is already at or past TIME (many grants in
+# one µs, a clock stepped back) every fence is then set to the larger token.
+# Returns {1, token, now_us}                        granted (expires_us = now_us + ttl_ms * 1000)
 #         {0, holder_owner, holder_expires_us, now_us}  a live lease of another owner
 CLAIM = """
-local n = #KEYS / 2
 local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now = t[1] * 1000000 + t[2]
+local n = #KEYS / 2
+local owner = ARGV[1]
+local old = {}
 for i = 1, n do
   local h = redis.call('HMGET', KEYS[i], 'owner', 'expires', 'released')
-  if h[1] and h[1] ~= ARGV[1] and not h[3] and (tonumber(h[2]) or 0) > now then
-    return {0, h[1], h[2] or '0', string.format('%.0f', now)}
+  if h[1] then
+    if h[1] ~= owner and not h[3] and (tonumber(h[2]) or 0) > now then
+      return {0, h[1], h[2] or '0', now}
+    end
+    old[i] = true
   end
 end
 local token = now
-for i = 1, n do
-  local c = tonumber(redis.call('GET', KEYS[n + i]) or '0')
-  if c + 1 > token then token = c + 1 end
+for i = n + 1, n + n do
+  local c = tonumber(redis.call('GETSET', KEYS[i], now) or '0') + 1
+  if c > token then token = c end
 end
-local ttl = tonumber(ARGV[2])
-local stoken = string.format('%.0f', token)
-local sexp = string.format('%.0f', now + ttl * 1000)
-local snow = string.format('%.0f', now)
-for i = 1, n do
-  redis.call('SET', KEYS[n + i], stoken)
-  redis.call('DEL', KEYS[i])
-  redis.call('HSET', KEYS[i], 'owner', ARGV[1], 'token', stoken, 'ttl', ARGV[2],
-             'expires', sexp, 'acquired', snow, 'renewed', snow,
-             'task_id', ARGV[3], 'task_name', ARGV[4], 'root_id', ARGV[5], 'tenant', ARGV[6])
-  redis.call('PEXPIRE', KEYS[i], ttl)
+if token > now then
+  for i = n + 1, n + n do redis.call('SET', KEYS[i], token) end
 end
-return {1, stoken, sexp, snow}
+local exp = now + ARGV[2] * 1000
+local fields = {'owner', owner, 'token', token, 'ttl', ARGV[2], 'expires', exp,
+                'acquired', now, 'renewed', now}
+if ARGV[3] then
+  local names = {'task_id', 'task_name', 'root_id', 'tenant'}
+  for j = 1, 4 do
+    local v = ARGV[j + 2]
+    if v and v ~= '' then
+      fields[#fields + 1] = names[j]
+      fields[#fields + 1] = v
+    end
+  end
+end
+for i = 1, n do
+  if old[i] then redis.call('DEL', KEYS[i]) end
+  redis.call('HSET', KEYS[i], unpack(fields))
+  redis.call('PEXPIRE', KEYS[i], ARGV[2])
+end
+return {1, token, now}
 """
 
 # RENEW: renew any number of leases in one call.
@@ -163,6 +192,11 @@ return s
 """
 
 
+#: Connections a store keeps checked out between calls; more, from a burst of
+#: concurrent calls, go back to the client's pool.
+_KEEP_IDLE = 4
+
+
 class RedisLeaseStore(LeaseStore):
     schemes = ("redis", "rediss", "unix")
 
@@ -187,6 +221,20 @@ class RedisLeaseStore(LeaseStore):
         self._release = self.client.register_script(RELEASE)
         self._inspect = self.client.register_script(INSPECT)
         self._evict = self.client.register_script(EVICT)
+        # The scripts run on connections checked out of the client's pool once and
+        # kept in _idle between calls (see _run), not through execute_command:
+        # redis-py's per-command machinery (pool checkout and its socket poll,
+        # retry closure, observability hooks, Script.__call__) costs more per
+        # call than the round trip itself. A client-side cache wraps connections
+        # in proxies, so with one the scripts go through redis-py's own path.
+        self._direct = getattr(pool, "cache", None) is None
+        self._idle: builtins.list[Any] = []  # redis-py Connections
+        self._pid = os.getpid()
+        # redis-py < 5.3 requires a command name; later versions deprecate it.
+        param = inspect.signature(pool.get_connection).parameters.get("command_name")
+        self._checkout_args: tuple[str, ...] = (
+            ("EVALSHA",) if param is not None and param.default is param.empty else ()
+        )
 
     # -- key names ---------------------------------------------------------
 
@@ -195,6 +243,50 @@ class RedisLeaseStore(LeaseStore):
 
     def fence_name(self, key: str) -> str:
         return f"{self.prefix}:fence:{{{key}}}"
+
+    # -- running a script --------------------------------------------------
+
+    def _run(self, script: Script, keys: builtins.list[str], args: builtins.list[Any]) -> Any:
+        """EVALSHA ``script`` in one round trip (see :meth:`_execute`); redis-py errors pass."""
+        if not self._direct:
+            return script(keys=keys, args=args)
+        return self._execute((b"EVALSHA", script.sha, len(keys), *keys, *args), script)
+
+    def _execute(self, command: tuple[Any, ...], script: Script | None = None) -> Any:
+        """Send ``command`` on a kept connection and return its raw reply.
+
+        Like redis-py: a connection that fails mid-command is disconnected (the
+        next use reconnects); the client's Retry policy applies; NOSCRIPT (a
+        restarted or flushed server) is answered by sending the script (EVAL,
+        which also caches it). Like redis-py's pool, which polls a connection
+        before lending it: one whose server closed it while idle (a restart, an
+        idle timeout) is replaced. Here that shows as a ConnectionError on use, so
+        the command is sent once more on a new connection. Every command sent
+        here is safe to repeat: a repeated claim re-grants the same owner, a
+        repeated release or renewal finds its own work done, an evict advances
+        the fence again, the rest only read.
+        """
+        if self._pid != os.getpid():  # forked: the parent's sockets are not ours
+            self._idle = []
+            self._pid = os.getpid()
+        try:
+            conn = self._idle.pop()
+        except IndexError:
+            conn = self.client.connection_pool.get_connection(*self._checkout_args)
+
+        def attempt() -> Any:
+            try:
+                return _roundtrip(conn, command, script)
+            except RedisConnectionError:  # closed while idle: once more, reconnected
+                return _roundtrip(conn, command, script)
+
+        try:
+            return conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
+        finally:
+            if len(self._idle) < _KEEP_IDLE:
+                self._idle.append(conn)
+            else:  # a burst of concurrent calls is over: give the pool its connection back
+                self.client.connection_pool.release(conn)
 
     # -- operations --------------------------------------------------------
 
@@ -206,13 +298,26 @@ class RedisLeaseStore(LeaseStore):
         ttl: float,
         meta: dict[str, str],
     ) -> Lease | None:
-        names = [self.lease_name(k) for k in keys] + [self.fence_name(k) for k in keys]
-        args: list[str | int] = [owner_id, _ms(ttl), *(meta.get(f, "") for f in META_FIELDS)]
-        with self.errors():
-            reply = self._claim(keys=names, args=args)
-        if int(reply[0]) != 1:
+        prefix = self.prefix
+        if len(keys) == 1:
+            names = [f"{prefix}:lease:{{{primary}}}", f"{prefix}:fence:{{{primary}}}"]
+        else:
+            names = [f"{prefix}:lease:{{{k}}}" for k in keys]
+            names += [f"{prefix}:fence:{{{k}}}" for k in keys]
+        ms = _ms(ttl)
+        args: builtins.list[Any] = [owner_id, ms]
+        if meta:
+            args += [meta.get(f, "") for f in META_FIELDS]
+        try:
+            reply = self._run(self._claim, names, args)
+        except RedisError as e:
+            raise self._translate(e) from e
+        if reply[0] != 1:
             return None
-        return Lease(primary, keys, owner_id, int(reply[1]), _s(reply[2]), _s(reply[3]), ttl, meta)
+        now = int(reply[2])
+        return Lease(
+            primary, keys, owner_id, int(reply[1]), (now + ms * 1000) / 1e6, now / 1e6, ttl, meta
+        )
 
     def do_renew_many(
         self, leases: builtins.list[Lease], ttls: builtins.list[float]
@@ -222,21 +327,30 @@ class RedisLeaseStore(LeaseStore):
         for lease, ttl in zip(leases, ttls):
             names.extend(self.lease_name(k) for k in lease.keys)
             args.extend([len(lease.keys), lease.owner_id, str(lease.token), _ms(ttl)])
-        with self.errors():
-            reply = self._renew(keys=names, args=args)
+        try:
+            reply = self._run(self._renew, names, args)
+        except RedisError as e:
+            raise self._translate(e) from e
         return [None if int(r) == 0 else _s(r) for r in reply]
 
     def do_release(self, lease: Lease) -> bool:
-        with self.errors():
-            n = self._release(
-                keys=[self.lease_name(k) for k in lease.keys],
-                args=[lease.owner_id, str(lease.token)],
-            )
-        return int(n) == len(lease.keys)
+        keys = lease.keys
+        prefix = self.prefix
+        if len(keys) == 1:
+            names = [f"{prefix}:lease:{{{keys[0]}}}"]
+        else:
+            names = [f"{prefix}:lease:{{{k}}}" for k in keys]
+        try:
+            n = self._run(self._release, names, [lease.owner_id, str(lease.token)])
+        except RedisError as e:
+            raise self._translate(e) from e
+        return int(n) == len(keys)
 
     def do_inspect(self, key: str) -> LeaseRecord | None:
-        with self.errors():
-            reply = self._inspect(keys=[self.lease_name(key), self.fence_name(key)])
+        try:
+            reply = self._run(self._inspect, [self.lease_name(key), self.fence_name(key)], [])
+        except RedisError as e:
+            raise self._translate(e) from e
         return self._record(key, reply)
 
     def _record(self, key: str, reply: builtins.list[Any]) -> LeaseRecord | None:
@@ -282,36 +396,78 @@ class RedisLeaseStore(LeaseStore):
 
     def do_evict(self, key: str) -> LeaseRecord | None:
         before = self.do_inspect(key)
-        with self.errors():
-            self._evict(keys=[self.lease_name(key), self.fence_name(key)])
+        try:
+            self._run(self._evict, [self.lease_name(key), self.fence_name(key)], [])
+        except RedisError as e:
+            raise self._translate(e) from e
         return before if before is not None and before.live else None
 
     def do_fence_token(self, key: str) -> int:
         with self.errors():
-            value = self.client.get(self.fence_name(key))
+            if self._direct:
+                value = self._execute((b"GET", self.fence_name(key)))
+            else:
+                value = self.client.get(self.fence_name(key))
         return int(value) if value is not None else 0
 
     def do_time(self) -> float:
         with self.errors():
-            seconds, micros = self.client.time()
-        return seconds + micros / 1e6
+            seconds, micros = self._execute((b"TIME",)) if self._direct else self.client.time()
+        return int(seconds) + int(micros) / 1e6
 
     def close(self) -> None:
+        idle, self._idle = self._idle, []
+        if self._pid == os.getpid():
+            for conn in idle:
+                self.client.connection_pool.release(conn)
         self.client.close()
 
     @contextmanager
     def errors(self) -> Iterator[None]:
-        """Translate redis-py errors into celery-lease's (the one place that does)."""
+        """Translate redis-py errors into celery-lease's (see :meth:`_translate`)."""
         try:
             yield
-        except (RedisConnectionError, RedisTimeoutError, ReadOnlyError) as e:
-            raise StoreUnavailable(f"Redis {redact_url(self.url)} unavailable: {e}") from e
-        except ResponseError as e:
-            if str(e).startswith(("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "OOM")):
-                raise StoreUnavailable(f"Redis {redact_url(self.url)}: {e}") from e
-            raise LeaseError(f"Redis {redact_url(self.url)}: {e}") from e
         except RedisError as e:
-            raise LeaseError(f"Redis {redact_url(self.url)}: {e}") from e
+            raise self._translate(e) from e
+
+    def _translate(self, e: RedisError) -> LeaseError:
+        """celery-lease's error for a redis-py one (the one place that decides)."""
+        if isinstance(e, (RedisConnectionError, RedisTimeoutError, ReadOnlyError)):
+            return StoreUnavailable(f"Redis {redact_url(self.url)} unavailable: {e}")
+        if isinstance(e, ResponseError) and str(e).startswith(
+            ("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "OOM")
+        ):
+            return StoreUnavailable(f"Redis {redact_url(self.url)}: {e}")
+        return LeaseError(f"Redis {redact_url(self.url)}: {e}")
+
+
+def _roundtrip(conn: Any, command: tuple[Any, ...], script: Script | None) -> Any:
+    """Send ``command`` on ``conn`` and read its reply (EVAL if the server lacks ``script``).
+
+    Anything but a server's error reply leaves the connection disconnected, so a
+    reply can never be left unread for the next command on it (redis-py's own
+    send and read already do this for their errors; this covers the rest, such
+    as a soft time limit raised between them).
+    """
+    replied = False  # a whole reply (or error reply) read: the connection stays usable
+    try:
+        conn.send_packed_command(conn.pack_command(*command))
+        try:
+            reply = conn.read_response()
+        except NoScriptError:
+            if script is None:
+                replied = True
+                raise
+            conn.send_packed_command(conn.pack_command(b"EVAL", script.script, *command[2:]))
+            reply = conn.read_response()
+        replied = True
+        return reply
+    except ResponseError:
+        replied = True
+        raise
+    finally:
+        if not replied:
+            conn.disconnect()
 
 
 def _ms(ttl: float) -> int:
