@@ -59,6 +59,9 @@ class _Lazy:
     def __init__(self, make: Callable[[Any], Any]) -> None:
         self._make = make
         self._metric: Any = None
+        #: ``labels(...)`` children by label values: prometheus-client validates
+        #: and locks on every ``labels()`` call, and a task counts on every run.
+        self._children: dict[tuple[Any, ...], Any] = {}
 
     def _get(self) -> Any:
         if self._metric is None:
@@ -85,7 +88,14 @@ class _Lazy:
         return self._make(prometheus_client)
 
     def labels(self, *args: Any, **kwargs: Any) -> Any:
-        return self._get().labels(*args, **kwargs)
+        if kwargs:
+            return self._get().labels(*args, **kwargs)
+        child = self._children.get(args)
+        if child is None:
+            # The same child prometheus-client keeps for these values (it caches
+            # them too), so a cached one counts where a fresh lookup would.
+            child = self._children[args] = self._get().labels(*args)
+        return child
 
     def inc(self, amount: float = 1) -> None:
         self._get().inc(amount)

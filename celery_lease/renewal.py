@@ -139,6 +139,8 @@ class HeldLease:
             expires = self.store.renew_many([self.lease])[0]
         except StoreUnavailable:
             self.renew_failed(sent)
+            # The retry is due sooner than the timer thread may be sleeping for.
+            renewer().reschedule(self)
             return self.held
         self.renewed(sent, expires)
         return expires is not None
@@ -186,6 +188,8 @@ class HeldLease:
         Waits for a renewal answer being applied to this lease, so a lost-lease
         callback can never run after the caller has moved on.
         """
+        if self.detached:
+            return  # detached already: out of the renewer, and past any renewal answer
         renewer().discard(self)
         with self._lock:
             self.detached = True
@@ -220,20 +224,47 @@ class Renewer:
         self._leases: set[HeldLease] = set()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        #: When the thread wakes next by itself (monotonic time); None while it
+        #: sleeps until notified. Read and written under ``_cond``.
+        self._wake_at: float | None = None
+        #: The renew interval of the lease added last: how long the thread sleeps
+        #: with no lease to renew (a lease due sooner still wakes it).
+        self._idle: float | None = None
         self.cycles = 0
+        #: Times the thread woke up (notified or timed out): a short task should
+        #: not cost one.
+        self.wakeups = 0
 
     def add(self, held: HeldLease) -> None:
         with self._cond:
             self._leases.add(held)
+            self._idle = held.renew_interval
             metrics.held_leases.set(len(self._leases))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="celery-lease-renewer", daemon=True
                 )
                 self._thread.start()
+            self._notify_if_sooner(held)
+
+    def reschedule(self, held: HeldLease) -> None:
+        """``held`` is due sooner than it was (a failed renewal): wake the thread if needed."""
+        with self._cond:
+            if held in self._leases:
+                self._notify_if_sooner(held)
+
+    def _notify_if_sooner(self, held: HeldLease) -> None:
+        # Wake the thread only when ``held`` is due before it would wake anyway:
+        # one wake-up per task (a thread switch, the GIL handed over and back)
+        # was a measurable share of a short task's cost. A thread that is not
+        # waiting (renewing, or about to recompute) sees ``held`` when it loops.
+        wake_at = self._wake_at
+        if wake_at is None or _due_at(held) < wake_at:
+            self._wake_at = _due_at(held)  # no second notify for a later lease meanwhile
             self._cond.notify()
 
     def discard(self, held: HeldLease) -> None:
+        # No wake-up: the thread, woken for a lease that is gone, just recomputes.
         with self._cond:
             self._leases.discard(held)
             metrics.held_leases.set(len(self._leases))
@@ -248,9 +279,18 @@ class Renewer:
             with self._cond:
                 now = time.monotonic()
                 wake = min((_due_at(h) for h in self._leases), default=None)
+                if wake is None and self._idle is not None:
+                    # Nothing to renew. Sleeping until notified would cost a
+                    # wake-up per short task (its lease is gone when the thread
+                    # runs); sleep half an interval instead, so the next task's
+                    # lease, due a whole interval after its claim, needs none.
+                    wake = now + self._idle / 2
                 if wake is None or wake > now:
+                    self._wake_at = wake
                     self._cond.wait(None if wake is None else max(0.0, wake - now))
+                    self.wakeups += 1
                     continue
+                self._wake_at = now  # busy renewing: a lease added meanwhile is seen next loop
                 # With the leases that are due, renew every lease at least half-way
                 # to its next renewal: their schedules then coincide from the next
                 # cycle on, so the process sends one round trip per store per
@@ -298,6 +338,9 @@ _renewer_lock = threading.Lock()
 def renewer() -> Renewer:
     """This process's :class:`Renewer` (a new one after ``fork``)."""
     global _renewer
+    current = _renewer
+    if current is not None and current.pid == os.getpid():
+        return current  # the common case (twice per task): no lock
     with _renewer_lock:
         if _renewer is None or _renewer.pid != os.getpid():
             _renewer = Renewer()

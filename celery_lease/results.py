@@ -198,7 +198,7 @@ class ResultTable:
 
     def claim_prepared(
         self,
-        key: str,
+        key: str | list[str],
         *,
         ttl: float,
         owner_id: str,

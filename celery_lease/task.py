@@ -7,6 +7,11 @@ In the worker child, before the body::
       busy by this task id     -> defer (a redelivered copy met the live owner:
                                   dropping it would ack the owner's message too)
       this task id accepted    -> LEASE_REJECTED, backend untouched
+      this task id ended FENCED, LEASE_LOST, ...
+                               -> LEASE_REJECTED, backend untouched (read from
+                                  the result backend for a redelivered,
+                                  deferred or retried copy only: a first
+                                  delivery cannot meet its own end)
       once mode, key accepted  -> lease_on_duplicate: reject | return
     body (self.lease held, renewed by the process's timer thread)
     detach the renewer -> commit (fenced) + release in one step
@@ -25,7 +30,9 @@ is re-published under its own id instead of failing: no lost work.
 from __future__ import annotations
 
 import logging
+import os
 import random
+import secrets
 import threading
 import time
 import uuid
@@ -60,7 +67,7 @@ from celery_lease.exceptions import (
 )
 from celery_lease.keys import KeySpec, scoped
 from celery_lease.renewal import HeldLease, renewer
-from celery_lease.results import AcceptedResult, ResultTable, encode_result
+from celery_lease.results import AcceptedResult, Prepared, ResultTable, encode_result
 from celery_lease.stores.base import LeaseStore, new_owner_id
 
 __all__ = ["LeasedTask", "Runtime", "runtime"]
@@ -94,9 +101,10 @@ _runtimes_lock = threading.Lock()
 
 def runtime(app: Any) -> Runtime:
     """The process's :class:`Runtime` for ``app``."""
-    import os
-
     pid = os.getpid()
+    entry = _runtimes.get(id(app))
+    if entry is not None and entry[0] == pid:
+        return entry[1]  # the common case, on every task: no lock
     with _runtimes_lock:
         entry = _runtimes.get(id(app))
         if entry is None or entry[0] != pid:
@@ -251,6 +259,24 @@ class LeasedTask(Task):  # type: ignore[misc]
         return _Execution(self, args, kwargs).run()
 
     def _options(self, cfg: Config) -> _Options:
+        # Worked out once per (settings, task options), not on every execution.
+        own = (
+            self.lease_ttl,
+            self.lease_renew_interval,
+            self.lease_mode,
+            self.lease_on_conflict,
+            self.lease_on_duplicate,
+            self.lease_commit,
+        )
+        cached = self.__dict__.get("_lease_options_cache")
+        if cached is not None and cached[0] is cfg and cached[1] == own:
+            opts: _Options = cached[2]
+            return opts
+        opts = self._make_options(cfg)
+        self._lease_options_cache = (cfg, own, opts)
+        return opts
+
+    def _make_options(self, cfg: Config) -> _Options:
         ttl = float(self.lease_ttl if self.lease_ttl is not None else cfg.ttl)
         renew = self.lease_renew_interval
         if renew is None and self.lease_ttl is None:
@@ -299,6 +325,9 @@ class _Execution:
             "tenant": self.tenant,
         }
         self.held: HeldLease | None = None
+        #: Leases and results in one database: the claim brings the look-up
+        #: :meth:`prepare` needs (ResultTable.claim_prepared, one round trip).
+        self.prepared: Prepared | None = None
 
     # -- the whole path ----------------------------------------------------------
 
@@ -363,14 +392,24 @@ class _Execution:
         deadline = time.monotonic() + self.cfg.store_retry
         waited_until = time.monotonic() + self.cfg.wait_timeout
         delay = 0.05
-        owner_id = new_owner_id()
+        owner_id = _new_owner_id()
         while True:
             sent = time.monotonic()
             started = time.perf_counter()
             try:
-                lease = store.claim(
-                    self.scoped, ttl=self.opts.ttl, owner_id=owner_id, meta=self.meta
-                )
+                if self.opts.commit and self.rt.results.colocated:
+                    lease, self.prepared = self.rt.results.claim_prepared(
+                        self.scoped,
+                        ttl=self.opts.ttl,
+                        owner_id=owner_id,
+                        meta=self.meta,
+                        task_id=self.task_id,
+                        once=self.opts.mode == "once",
+                    )
+                else:
+                    lease = store.claim(
+                        self.scoped, ttl=self.opts.ttl, owner_id=owner_id, meta=self.meta
+                    )
             except StoreUnavailable as e:
                 if time.monotonic() < deadline:
                     time.sleep(_jitter(delay))
@@ -381,15 +420,16 @@ class _Execution:
             metrics.claim_latency.observe(time.perf_counter() - started)
             if lease is not None:
                 metrics.claims.labels("granted").inc()
-                logger.info(
-                    "lease granted",
-                    extra={
-                        "action": "claim",
-                        "lease_key": self.key,
-                        "token": lease.token,
-                        "task_id": self.task_id,
-                    },
-                )
+                if logger.isEnabledFor(logging.INFO):
+                    logger.info(
+                        "lease granted",
+                        extra={
+                            "action": "claim",
+                            "lease_key": self.key,
+                            "token": lease.token,
+                            "task_id": self.task_id,
+                        },
+                    )
                 return HeldLease(
                     store,
                     lease,
@@ -435,12 +475,12 @@ class _Execution:
 
     def prepare(self, held: HeldLease) -> None:
         deadline = held.valid_until
-        while True:
+        prepared = self.prepared  # brought by the claim (leases in the result database)
+        while prepared is None:
             try:
                 prepared = self.rt.results.prepare(
                     held.lease, self.task_id, once=self.opts.mode == "once"
                 )
-                break
             except StaleFencingToken:
                 self.release()
                 self.defer(self._default_countdown(), "a newer owner claimed before the body")
@@ -457,7 +497,7 @@ class _Execution:
             metrics.claims.labels("redelivery").inc()
             self.event(events.LEASE_REJECTED, reason="redelivery of an accepted task")
             raise Ignore()
-        if self._ended_with_a_lease_outcome():
+        if self._may_be_a_late_copy() and self._ended_with_a_lease_outcome():
             # Likewise a late copy (a restored message, a deferred copy) of a task
             # that an execution already ended as FENCED, LEASE_LOST, duplicate...:
             # run again, it would turn a final FAILURE into SUCCESS after the fact.
@@ -468,6 +508,25 @@ class _Execution:
         if prepared.duplicate_token is not None:
             self.release()
             self.duplicate(DuplicateResult(self.key, prepared.duplicate_token))
+
+    def _may_be_a_late_copy(self) -> bool:
+        """True unless this message is its task id's first delivery.
+
+        Only a later copy can meet a task id that already ended: the broker's
+        redelivery (a Redis restore or requeue, an AMQP redelivery: both
+        transports set ``redelivered``), the plugin's own re-publish (a
+        deferral, a re-queue: the ``lease_defer_id`` header), or a retry
+        (Celery's, or ``task_retry_on_worker_lost``'s). A first delivery skips
+        the result-backend read, a round trip on every task. On a transport
+        that does not mark redeliveries, every copy is checked.
+        """
+        req = self.req
+        if getattr(req, HEADER_DEFER_ID, None) or getattr(req, "retries", 0):
+            return True
+        info = getattr(req, "delivery_info", None) or {}
+        if info.get("redelivered") or getattr(req, "redelivered", False):
+            return True
+        return not _broker_marks_redeliveries(self.app)
 
     def _ended_with_a_lease_outcome(self) -> bool:
         """True if this task id's backend state is a FAILURE celery-lease decided."""
@@ -702,12 +761,13 @@ class _Execution:
                 lease_key=self.key,
                 **fields,
             )
-        logger.info(
-            "%s %s",
-            state,
-            self.task_id,
-            extra={"action": state.lower(), "lease_key": self.key, "task_id": self.task_id},
-        )
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(
+                "%s %s",
+                state,
+                self.task_id,
+                extra={"action": state.lower(), "lease_key": self.key, "task_id": self.task_id},
+            )
 
     def _store_failure(self, exc: BaseException) -> None:
         if not self._ignore_result():
@@ -720,13 +780,44 @@ class _Execution:
         return min(self.opts.ttl, 5.0)
 
 
+#: (pid, "hostname:pid:") of this process, for owner ids.
+_owner_prefix: tuple[int, str] | None = None
+
+
+def _new_owner_id() -> str:
+    """``hostname:pid:random``, as :func:`new_owner_id` makes it, without a
+    ``gethostname()`` call per task."""
+    global _owner_prefix
+    pid = os.getpid()
+    prefix = _owner_prefix
+    if prefix is None or prefix[0] != pid:
+        prefix = _owner_prefix = (pid, new_owner_id().rsplit(":", 1)[0] + ":")
+    return prefix[1] + secrets.token_hex(8)
+
+
+def _broker_marks_redeliveries(app: Any) -> bool:
+    """True if the app's broker transport flags every redelivered message
+    (``delivery_info["redelivered"]``): Redis (its restores and requeues)
+    and AMQP. Other transports (filesystem, SQS, ...) requeue without it."""
+    known: bool | None = getattr(app, "_celery_lease_marks_redeliveries", None)
+    if known is None:
+        try:
+            conn = app.connection_for_read()
+            try:
+                known = getattr(conn.transport, "driver_type", None) in ("redis", "amqp")
+            finally:
+                conn.release()
+        except Exception:  # noqa: BLE001 - cannot tell: check every copy
+            known = False
+        app._celery_lease_marks_redeliveries = known
+    return known
+
+
 def _jitter(delay: float) -> float:
     return delay * random.uniform(0.5, 1.5)
 
 
 def _pid() -> int:
-    import os
-
     return os.getpid()
 
 

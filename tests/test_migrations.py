@@ -35,8 +35,6 @@ ROOT = Path(__file__).resolve().parent.parent
 TABLES = {"celery_lease_leases", "celery_lease_results", "celery_lease_fences"}
 
 
-
-
 def head_revision() -> str:
     cfg = q._alembic_config("sqlite:///unused")
     head = ScriptDirectory.from_config(cfg).get_current_head()

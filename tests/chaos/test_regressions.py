@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from sqlalchemy import create_engine, text
 
 import celery_lease
@@ -246,7 +247,9 @@ def test_a_worker_dying_while_it_defers_a_task_never_loses_it(cell: Cell) -> Non
     assert start["mono"] > cell.records(_is("end", first))[0]["mono"]
 
 
-def test_a_late_copy_of_a_fenced_task_never_turns_its_failure_into_success(cell: Cell) -> None:
+def test_a_late_deferred_copy_of_a_fenced_task_never_turns_its_failure_into_success(
+    cell: Cell,
+) -> None:
     """5. *A task's final FAILURE turned into SUCCESS.* T's execution paused
     past its TTL, another task took the key, and T ended FAILURE
     StaleFencingToken (FENCED, taken over); a copy of T queued meanwhile (a
@@ -254,7 +257,16 @@ def test_a_late_copy_of_a_fenced_task_never_turns_its_failure_into_success(cell:
     committed: T's state went FAILURE -> SUCCESS (seen by the chaos run's
     backend monitor), after ``get()`` had raised. A late copy of a task that
     already ended with a lease outcome is rejected like one of an accepted
-    task."""
+    task.
+
+    Late copies are made two ways, and each is replayed for real: this test
+    has the plugin itself defer a copy of T (it meets the other task's live
+    lease), so the late copy is the plugin's own re-publish, with the
+    ``lease_defer_id`` header; the next test has the Redis broker restore T's
+    message. (Only such copies are checked against the result backend: a
+    fresh submission under a finished task id, neither deferred nor
+    redelivered, is new work to Celery -- as for its own
+    ``worker_deduplicate_successful_tasks`` -- and runs.)"""
     a = cell.worker("a", "qa")
     b = cell.worker("b", "qb")
     key = f"late-{uuid.uuid4().hex[:6]}"
@@ -264,24 +276,82 @@ def test_a_late_copy_of_a_fenced_task_never_turns_its_failure_into_success(cell:
     a.stop_group()
     try:
         wait_for(lambda: not _live(cell, key), 10, "T's lease to expire in store time")
-        cell.tasks.exclusive.apply_async((key, 5.0, 1), task_id=other, queue="qb")
+        # The other task holds the key long enough for a copy of T to meet it.
+        cell.tasks.exclusive.apply_async((key, 10.0, 1), task_id=other, queue="qb")
         wait_for(lambda: cell.records(_is("start", other)), 30, "the other task to take the key")
     finally:
         a.cont_group()
     wait_for(lambda: cell.state(tid)["status"] == "FAILURE", 30, "T to end fenced")
     assert type(cell.state(tid)["result"]).__name__ == "StaleFencingToken"
-    # A late copy of T, on B, after the other task.
-    cell.tasks.exclusive.apply_async((key, 0.1, 2), task_id=tid, queue="qb")
+    # A copy of T on A meets the other task's live lease: the plugin defers it,
+    # and the deferred copy comes back to A after the other task.
+    assert _live(cell, key)
+    cell.tasks.exclusive.apply_async((key, 0.1, 2), task_id=tid, queue="qa")
+    wait_for(lambda: f"LEASE_DEFERRED {tid}" in a.log_text(), 30, "A to defer the copy of T")
     wait_for(lambda: cell.state(other)["status"] == "SUCCESS", 30, "the other task")
-    wait_for(
-        lambda: b.log_text().count(f"chaos.exclusive[{tid}]") >= 2,  # received + its outcome
-        30,
-        "B to deal with the late copy",
-    )
+    outcome = wait_for(lambda: _late_copy_outcome(cell, a, tid), 30, "A to take the deferred copy")
+    assert outcome == "rejected", "the deferred copy of T ran after T had ended FENCED"
+    deferred = [r for r in cell.records(_is("prerun", tid)) if r["deferrals"] >= 1]
+    assert deferred, "the rejected copy was the plugin's deferred copy"
     time.sleep(0.5)
     assert cell.state(tid)["status"] == "FAILURE"
-    assert f"LEASE_REJECTED {tid}" in b.log_text()
     assert len(cell.records(_is("start", tid))) == 1  # never ran again
+    assert f"chaos.exclusive[{tid}]" not in b.log_text()
+
+
+def test_a_late_restored_copy_of_a_fenced_task_never_turns_its_failure_into_success(
+    cell: Cell,
+) -> None:
+    """5 (continued). The late copy is T's own message, restored by the Redis
+    transport: A is stopped past the visibility timeout, the restore sweep of
+    another worker puts T's message back on A's queue (``redelivered`` set,
+    as kombu marks every restored message), and A runs it once T's execution
+    has ended fenced. It must be rejected, not committed."""
+    cell.restart_env(vt=3.0)
+    a = cell.worker("a", "qa")
+    cell.worker("b", "qb")  # runs the other task, and the restore sweep
+    key = f"late-{uuid.uuid4().hex[:6]}"
+    tid, other = str(uuid.uuid4()), str(uuid.uuid4())
+    cell.tasks.exclusive.apply_async((key, 2.0, 0), task_id=tid, queue="qa")
+    wait_for(lambda: cell.records(_is("start", tid)), 30, "T's body to start")
+    a.stop_group()
+    try:
+        wait_for(lambda: not _live(cell, key), 10, "T's lease to expire in store time")
+        cell.tasks.exclusive.apply_async((key, 0.1, 1), task_id=other, queue="qb")
+        wait_for(lambda: cell.state(other)["status"] == "SUCCESS", 30, "the other task")
+        wait_for(lambda: _restored(cell, tid), 30, "the broker to restore T's message")
+    finally:
+        a.cont_group()
+    outcome = wait_for(lambda: _late_copy_outcome(cell, a, tid), 30, "A to take the restored copy")
+    assert outcome == "rejected", "the restored copy of T ran after T had ended FENCED"
+    assert type(cell.state(tid)["result"]).__name__ == "StaleFencingToken"
+    assert f"FENCED {tid}" in a.log_text()
+    restored = [r for r in cell.records(_is("prerun", tid)) if r["redelivered"]]
+    assert restored and restored[0]["deferrals"] == 0, "the rejected copy was the restored one"
+    time.sleep(0.5)
+    assert cell.state(tid)["status"] == "FAILURE"
+    assert len(cell.records(_is("start", tid))) == 1  # never ran again
+
+
+def _late_copy_outcome(cell: Cell, worker: ChaosWorker, task_id: str) -> str | None:
+    if f"LEASE_REJECTED {task_id}" in worker.log_text():
+        return "rejected"
+    if len(cell.records(_is("start", task_id))) > 1:
+        return "ran again"
+    return None
+
+
+def _restored(cell: Cell, task_id: str) -> bool:
+    """True once the broker took ``task_id``'s message out of its unacked set.
+
+    Only a restore does that while the worker holding the message is stopped
+    (an ack would too, but a stopped worker acks nothing).
+    """
+    client = redis.Redis.from_url(cell.env["CHAOS_BROKER"])
+    try:
+        return not any(task_id.encode() in v for v in client.hvals("unacked"))
+    finally:
+        client.close()
 
 
 def test_a_fenced_copy_never_acks_away_the_crash_cover_of_its_live_twin(cell: Cell) -> None:
