@@ -395,9 +395,9 @@ def _profile_miss(
                   "`RedisLeaseStore._run`)")  # fmt: skip
     else:
         c.step = (
-            "celery-lease's store path around its own statements (SQLAlchemy Core "
-            "execution, a pooled connection checked out per operation with the autocommit "
-            "option, result rows, `Lease`)"
+            "celery-lease's store path around its own statements (`LeaseStore.claim`/"
+            "`release`, `db.Conn`: a driver connection from the store's free list, "
+            "`:name` parameters, named-tuple rows, `Lease`)"
         )
         c.relative_to = variants[-1].name if variants else None  # fmt: skip
     lines = [
@@ -539,7 +539,10 @@ def _ladder(env: Env, group: str, redis_db: int, pg_url: str | None) -> list[Con
 
         v = Contender(group, "the raw statements through SQLAlchemy Core (`text()`, pooled "
                       "autocommit connection)", sqla_raw)  # fmt: skip
-        v.step = "SQLAlchemy Core instead of plain psycopg, for the same raw statements"
+        v.step = (
+            "SQLAlchemy Core instead of plain psycopg, for the same raw statements (the "
+            "store's own path until it moved to the driver: this rung shows why)"
+        )
         out.append(v)
         v = Contender(group, "celery-lease's PG_CLAIM_ONE + RELEASE_IN statements straight "
                       "through psycopg", product_sql)  # fmt: skip
