@@ -336,6 +336,11 @@ class _Execution:
         self.held = held
         finished = False
         try:
+            # Renewed from the grant on: the look-up and the STARTED write below
+            # can take longer than the TTL on a loaded worker (seen: 1.4 s with a
+            # 100-thread pool on SQLite), and the lease must not lapse meanwhile.
+            held.add_lost_callback(self._on_lost)
+            renewer().add(held)
             if self.opts.commit:
                 self.prepare(held)
             if self.task._lease_track_started and not self._ignore_result():
@@ -345,8 +350,12 @@ class _Execution:
                     STARTED,
                     request=self.req,
                 )
-            held.add_lost_callback(self._on_lost)
-            renewer().add(held)
+            if not held.held:
+                # The lease lapsed before the body began (the worker stalled, the
+                # store was away): run nothing without it. Released, re-queued;
+                # the copy claims again (not a deferral: no lease_defer_max count).
+                self.release()
+                self.republish(0.0, reason="the lease lapsed before the body started")
             self.req._celery_lease = held
             try:
                 retval = self.task.run(*self.args, **self.kwargs)

@@ -305,3 +305,134 @@ def test_threads_worker_renews_100_leases_in_one_round_trip_per_cycle(
         worker.kill()
         client.close()
         app.close()
+
+
+def test_lease_is_renewed_from_the_grant_while_the_started_write_hangs(
+    lease_redis: RedisServer, make_redis_server: Any, redis_url: str, tmp_path: Path
+) -> None:
+    """Renewal starts at the grant, not at the body.
+
+    Between the claim and the body a task still reads the result table and
+    writes STARTED to the result backend; on a loaded worker that took longer
+    than the TTL (a 100-thread pool on SQLite: 1.4 s against a 1.5 s TTL), and
+    the lease lapsed before its first renewal. Here the result backend is
+    frozen (SIGSTOP) so the STARTED write hangs for 4 TTLs: the lease must stay
+    live and renewed all along, and the body run once, with its lease.
+    """
+    from tests.apps.leaseapp import build
+
+    ttl = 1.5
+    backend = make_redis_server(appendonly=False)
+    env = {
+        **_worker_env(tmp_path, redis_url, lease_redis.url(0), ttl),
+        "CL_BACKEND": backend.url(0),
+        "CL_TRACK_STARTED": "1",
+    }
+    log = tmp_path / "exec.log"
+    # The client publishes without the frozen backend (a Redis backend
+    # subscribes to the task's channel when it is sent).
+    app, tasks = build({**env, "CL_BACKEND": redis_url})
+    store = RedisLeaseStore(lease_redis.url(0))
+    worker = Worker("started-hangs", env, tmp_path)
+    try:
+        worker.start()
+        backend.pause()
+        probe = redis.Redis.from_url(backend.url(0), socket_timeout=0.5)
+        with pytest.raises(redis.exceptions.TimeoutError):
+            probe.ping()  # the fault is in place: the backend answers nothing
+        probe.close()
+
+        key = f"hang-{time.monotonic_ns()}"
+        sent = tasks.work.delay(key, sleep=0.2)
+        granted = wait_for(
+            lambda: (r := store.inspect(key)) is not None and r.live and r, 30, "the claim"
+        )
+        assert granted.task_id == sent.id
+        hang_until = time.monotonic() + 4 * ttl
+        seen = []
+        while time.monotonic() < hang_until:
+            rec = store.inspect(key)
+            assert rec is not None and rec.live, f"the lease lapsed while STARTED hung: {rec}"
+            assert rec.token == granted.token and rec.owner_id == granted.owner_id
+            seen.append(rec.renewed_at)
+            time.sleep(ttl / 6)
+        assert not any(r["task_id"] == sent.id for r in read_log(log)), "the body ran"
+        renewals = sorted({s for s in seen if s is not None})
+        assert len(renewals) >= 3, f"renewed {len(renewals) - 1} times in {4 * ttl} s"
+
+        backend.resume()
+        ends = wait_for(
+            lambda: [r for r in read_log(log) if r["event"] == "end"] or None, 30, "the body"
+        )
+        assert [(r["task_id"], r["token"], r["held"]) for r in ends] == [
+            (sent.id, granted.token, True)
+        ]
+        starts = [r for r in read_log(log) if r["event"] == "start"]
+        assert len(starts) == 1
+        assert "lease lost" not in worker.log_text()
+    finally:
+        backend.resume()
+        worker.kill()
+        store.close()
+        app.close()
+
+
+def test_a_lease_that_lapsed_before_the_body_is_requeued_not_run(
+    lease_redis: RedisServer, make_redis_server: Any, redis_url: str, tmp_path: Path
+) -> None:
+    """The body never starts without its lease.
+
+    The STARTED write hangs (result backend frozen) while the lease store is
+    frozen too, past the TTL: renewals fail and the lease lapses before the
+    body. That execution must not run the body; the task is re-queued, claimed
+    again with a newer token, and its body runs once, holding its lease.
+    """
+    from tests.apps.leaseapp import build
+
+    ttl = 1.5
+    backend = make_redis_server(appendonly=False)
+    env = {
+        **_worker_env(tmp_path, redis_url, lease_redis.url(0), ttl),
+        "CL_BACKEND": backend.url(0),
+        "CL_TRACK_STARTED": "1",
+    }
+    log = tmp_path / "exec.log"
+    app, tasks = build({**env, "CL_BACKEND": redis_url})
+    store = RedisLeaseStore(lease_redis.url(0))
+    worker = Worker("lapsed-before-body", env, tmp_path)
+    try:
+        worker.start()
+        backend.pause()
+        key = f"lapse-{time.monotonic_ns()}"
+        sent = tasks.work.delay(key, sleep=0.2)
+        granted = wait_for(
+            lambda: (r := store.inspect(key)) is not None and r.live and r, 30, "the claim"
+        )
+        lease_redis.pause()
+        frozen_at = time.monotonic()
+        probe = redis.Redis.from_url(lease_redis.url(0), socket_timeout=0.5)
+        with pytest.raises(redis.exceptions.TimeoutError):
+            probe.ping()  # the store answers nothing: renewals cannot succeed
+        wait_for(lambda: time.monotonic() > frozen_at + 3 * ttl, 10, "three TTLs", interval=0.1)
+        lease_redis.resume()
+        rec = wait_for(lambda: store.inspect(key) or None, 10, "the store back")
+        assert rec.token == granted.token and not rec.live, f"the lease did not lapse: {rec}"
+        assert not any(r["task_id"] == sent.id for r in read_log(log)), "the body ran"
+        probe.close()
+
+        backend.resume()
+        ends = wait_for(
+            lambda: [r for r in read_log(log) if r["event"] == "end"] or None, 30, "the body"
+        )
+        starts = [r for r in read_log(log) if r["event"] == "start"]
+        assert len(starts) == 1, f"the body ran {len(starts)} times: {starts}"
+        assert [(r["task_id"], r["held"]) for r in ends] == [(sent.id, True)]
+        assert ends[0]["token"] > granted.token, "the body ran on the lapsed grant"
+        accepted = wait_for(lambda: tasks.work.accepted(key), 30, "the accepted result")
+        assert (accepted.task_id, accepted.token) == (sent.id, ends[0]["token"])
+    finally:
+        backend.resume()
+        lease_redis.resume()
+        worker.kill()
+        store.close()
+        app.close()
