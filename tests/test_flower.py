@@ -172,10 +172,10 @@ def test_flower_shows_fenced_deferred_and_rejected(
         flower.wait_state(warmup.id, "SUCCESS", 30, "the warm-up task")
 
         # -- FENCED, part 1: A claims K, then its process group stops. -----------
+        sent_a = time.monotonic()  # A's claim, and so its lease, began after this
         first = tasks.work.apply_async((key,), {"sleep": 4.0, "tag": "A"}, queue="a")
         token_a = _started(log, first.id)["token"]
         a.stop_group()
-        paused_at = time.monotonic()
         assert not any(r["event"] == "end" and r["task_id"] == first.id for r in read_log(log)), (
             "A was paused too late: its body had ended"
         )
@@ -196,7 +196,9 @@ def test_flower_shows_fenced_deferred_and_rejected(
         # -- FENCED, part 2: B committed K with a newer token while A was stopped. --
         result_b = second.get(timeout=30)
         assert result_b["token"] > token_a
-        assert time.monotonic() - paused_at > TTL, "B took over before A's lease could expire"
+        # A renewed until the pause (up to TTL/3 before it), so its lease can end
+        # before pause + TTL; it cannot end before its claim + TTL.
+        assert time.monotonic() - sent_a > TTL, "B took over before A's lease could expire"
         assert a.log_text().count(f"Task leaseapp.work[{first.id}] succeeded") == 0
         a.cont_group()
         flower.wait_state(first.id, "FENCED", 30, "the paused owner's refused commit")
