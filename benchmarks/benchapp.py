@@ -10,10 +10,14 @@ Variables:
 
 - ``BENCH_BROKER``: broker URL (Redis)
 - ``BENCH_QUEUE``: queue name (one per run)
-- ``BENCH_KIND``: ``plain`` | ``once`` | ``singleton`` | ``fencekit`` | ``leased``
+- ``BENCH_KIND``: ``plain`` | ``once`` | ``singleton`` | ``fencekit`` | ``leased`` |
+  ``floor`` (a plain task whose body writes its result row with one raw statement:
+  the cheapest durable result, for reference)
 - ``BENCH_LOCK_REDIS``: the Redis the peers keep their locks in
 - ``BENCH_STORE`` / ``BENCH_RESULTS``: ``lease_store_url`` / ``lease_result_url`` (leased);
   ``BENCH_LEASE_COMMIT=0``: ``lease_commit=False``
+- ``BENCH_FLOOR_PG`` (libpq DSN) or ``BENCH_FLOOR_SQLITE`` (a file): where ``floor``
+  writes; ``BENCH_FLOOR_LOOKUP=1``: one more round trip first (a ``SELECT`` by task id)
 - ``BENCH_TIMES_DIR``: where completion times go
 - ``BENCH_SQL_TRACE``: count SQLite statements (the count is written with each time),
   and PostgreSQL round trips and statements as celery-lease's driver layer sends them
@@ -43,6 +47,68 @@ _sql_statements = [0]
 _LITERAL = re.compile(r"'(?:[^']|'')*'|(?<![\w.])-?\d+(?:\.\d+)?(?:e-?\d+)?(?![\w.])")
 _sql_by_statement: dict[str, int] = {}
 _completed = [0]
+
+#: The floors' result table: a primary key on the task id and the result, nothing else.
+FLOOR_TABLE_PG = (
+    "CREATE TABLE IF NOT EXISTS bench_floor_results (task_id text PRIMARY KEY, result jsonb)"
+)
+FLOOR_TABLE_SQLITE = (
+    "CREATE TABLE IF NOT EXISTS bench_floor_results (task_id TEXT PRIMARY KEY, result TEXT)"
+)
+#: Copied from celery-lease's SQLite connections (celery_lease/db.py: ``Database`` passes
+#: ``timeout=30.0``; its connect listener sets autocommit (``isolation_level = None``),
+#: ``journal_mode=WAL`` and ``busy_timeout=30000``; ``synchronous`` is left at the
+#: default, FULL).
+FLOOR_SQLITE_PRAGMAS = ("PRAGMA journal_mode=WAL", "PRAGMA busy_timeout=30000")
+
+
+def floor_sqlite_connect(path: str) -> Any:
+    import sqlite3
+
+    conn = sqlite3.connect(path, timeout=30.0, check_same_thread=False, isolation_level=None)
+    for pragma in FLOOR_SQLITE_PRAGMAS:
+        conn.execute(pragma)
+    return conn
+
+
+class _Floor:
+    """One connection per worker process (opened at its first task: prefork forks
+    after import), autocommit: a statement is one round trip (PostgreSQL) or one
+    committed transaction (SQLite)."""
+
+    def __init__(self, environ: Mapping[str, str]) -> None:
+        self.pg = environ.get("BENCH_FLOOR_PG")
+        self.sqlite = environ.get("BENCH_FLOOR_SQLITE")
+        if not (self.pg or self.sqlite):
+            raise ValueError("BENCH_KIND=floor needs BENCH_FLOOR_PG or BENCH_FLOOR_SQLITE")
+        self.lookup_first = environ.get("BENCH_FLOOR_LOOKUP") == "1"
+        mark = "%s" if self.pg else "?"
+        self.insert = (
+            f"INSERT INTO bench_floor_results (task_id, result) VALUES ({mark}, {mark}) "
+            "ON CONFLICT DO NOTHING"
+        )
+        self.select = f"SELECT result FROM bench_floor_results WHERE task_id = {mark}"
+        self.pid = -1
+        self.cursor: Any = None
+
+    def _cursor(self) -> Any:
+        if self.pid != os.getpid():
+            if self.pg:
+                import psycopg
+
+                self.cursor = psycopg.connect(self.pg, autocommit=True).cursor()
+            else:
+                self.cursor = floor_sqlite_connect(str(self.sqlite)).cursor()
+            self.pid = os.getpid()
+        return self.cursor
+
+    def lookup(self, task_id: str) -> Any:
+        cursor = self._cursor()
+        cursor.execute(self.select, (task_id,))
+        return cursor.fetchone()
+
+    def write(self, task_id: str, result: Any) -> None:
+        self._cursor().execute(self.insert, (task_id, json.dumps(result)))
 
 
 def build(environ: Mapping[str, str]) -> tuple[Celery, Any]:
@@ -140,6 +206,18 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, Any]:
         )
         def noop(self: Any, i: int) -> None:
             return None
+
+    elif kind == "floor":
+        floor = _Floor(environ)
+
+        # the lookup stands for the claim a lease needs at minimum; the write for the commit
+        @app.task(name=name, shared=False, bind=True)
+        def noop(self: Any, i: int) -> None:
+            if floor.lookup_first:
+                floor.lookup(self.request.id)
+            result = None
+            floor.write(self.request.id, result)
+            return result
 
     else:
         raise ValueError(f"unknown BENCH_KIND {kind!r}")

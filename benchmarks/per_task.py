@@ -20,7 +20,7 @@ from benchmarks.common import (
     target_line,
     top_functions,
 )
-from benchmarks.workers import KINDS, Kind, Targets, WorkerRun, drain
+from benchmarks.workers import FLOORS, KINDS, Kind, Targets, WorkerRun, drain
 
 NAME = "per_task"
 TITLE = "2. Per task through a real worker: drain rate"
@@ -52,9 +52,11 @@ def run(env: Env) -> Section:
             "its defaults (exclusive mode, result committed through the fenced table)."
         ),
     )
-    kinds = {k.key: k for k in KINDS}
+    #: the floors (a durable result per task, no lease) run in the full run only
+    contenders = KINDS if env.quick else [*KINDS, *FLOORS]
+    kinds = {k.key: k for k in contenders}
     skipped: dict[str, str] = {}
-    for k in KINDS:
+    for k in contenders:
         why = targets.available(k)
         if why:
             skipped[k.key] = why
@@ -91,10 +93,12 @@ def run(env: Env) -> Section:
         )  # fmt: skip
         verdicts: list[str] = []
         misses: list[Kind] = []
+        floor_lines: list[str] = []
         for pool in POOLS:
             samples = results[pool]
             ratios = paired_ratios(samples, "plain")
             peers = [k for k in samples if kinds[k].peer]
+            missed_here: list[str] = []
             for key in samples:
                 k = kinds[key]
                 rate = median(samples[key])
@@ -123,10 +127,14 @@ def run(env: Env) -> Section:
                     )
                     if not met and pool == "solo" and k not in misses:
                         misses.append(k)
+                    if not met:
+                        missed_here.append(key)
                 elif k.kind == "leased":
                     section.summary.append(
                         f"Per task ({pool}): {k.label}: {fmt_ratio(ratios[key])} of plain"
                     )
+                elif k.kind == "floor":
+                    tgt = "reference (the floor), not a target"
                 table.add(
                     pool,
                     k.label + (" (baseline)" if key == "plain" else ""),
@@ -141,8 +149,37 @@ def run(env: Env) -> Section:
             for key in runnable:
                 if key not in samples:
                     table.add(pool, kinds[key].label, "not run", "", "", "", "quick pass")
+            if any(kinds[key].kind == "floor" for key in samples):
+                floor_lines += _floors(pool, kinds, samples, ratios, missed_here)
+                section.summary.append(_floor_summary(pool, ratios))
         section.add(table.markdown())
         section.add("\n".join(f"- {v}" for v in verdicts))
+        if floor_lines:
+            fsync = _pg_fsync(env, targets)
+            section.add(
+                "**The floor on this machine.** The peers record no result; a fenced "
+                "`LeasedTask` durably writes one result row per task (plus its lease claim "
+                "and release). The *floor* rows are plain tasks whose body writes its result "
+                "row with one raw driver statement, no lease, no fencing: psycopg "
+                "`INSERT … ON CONFLICT DO NOTHING` in autocommit on a connection opened once "
+                "per worker process, into a table with a primary key on the task id and a "
+                "`jsonb` result, in the same PostgreSQL database as the Redis-store "
+                "`LeasedTask`'s results (*2 round trips*: a `SELECT` by task id first, the "
+                "least a lease's claim or look-up needs); and Python's `sqlite3` `INSERT`, "
+                "committed per task, with celery-lease's SQLite settings (WAL, "
+                "`busy_timeout` 30 s, `synchronous` at its default, FULL). Any design that "
+                "records a result durably pays at least this. "
+                + (
+                    "The benchmark's PostgreSQL runs with `fsync` off, so a PostgreSQL commit "
+                    "here costs a round trip and a WAL write, not a disk flush, for the floor "
+                    "and `LeasedTask` alike; SQLite syncs its WAL at every commit. "
+                    if fsync == "off"
+                    else ""
+                )
+                + "*Extra* is the time per task "
+                "above plain, (1 ÷ ratio - 1) \u00d7 plain's median ms per task.\n\n"
+                + "\n".join(f"- {line}" for line in floor_lines)
+            )
         if errors:
             section.add(
                 "Runs that did not complete (left out of the medians):\n\n"
@@ -227,3 +264,84 @@ def _profile(targets: Targets, misses: list[Kind], n: int) -> str:
             top_functions(stats, per, "celery_lease"),
         ]
     return "\n".join(parts)
+
+
+def _pg_fsync(env: Env, targets: Targets) -> str | None:
+    """The PostgreSQL server's ``fsync`` setting (None if unknown)."""
+    if not targets.pg_redis_results:
+        return None
+    import psycopg
+
+    try:
+        dsn = env.pg_dsn(targets.pg_redis_results.rsplit("/", 1)[1])
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            row = conn.execute("SHOW fsync").fetchone()
+    except psycopg.Error:  # the sentence is left out
+        return None
+    return str(row[0]) if row else None
+
+
+#: the floor each result store is measured against: (floor key, what it is)
+_FLOOR_OF = {
+    "pg": [("floor-pg", "one PostgreSQL INSERT"), ("floor-pg-2rt", "two PostgreSQL round trips")],
+    "sqlite": [("floor-sqlite", "one SQLite INSERT")],
+}
+
+
+def _extra_ms(ratio: float, plain_ms: float) -> float:
+    """Time per task above plain implied by a ratio to plain."""
+    return (1 / ratio - 1) * plain_ms if ratio == ratio and ratio > 0 else float("nan")
+
+
+def _floors(
+    pool: str,
+    kinds: dict[str, Kind],
+    samples: dict[str, list[float]],
+    ratios: dict[str, float],
+    missed: list[str],
+) -> list[str]:
+    """The floor lines of one pool: the floors, then each missed contender against its own."""
+    plain_rate = median(samples.get("plain", []))
+    plain_ms = 1000 / plain_rate if plain_rate == plain_rate and plain_rate else float("nan")
+
+    def at(key: str) -> str:
+        r = ratios.get(key, float("nan"))
+        extra = _extra_ms(r, plain_ms)
+        return fmt_ratio(r) + (f" (extra {extra:+.2f} ms)" if extra == extra else "")
+
+    lines = [
+        f"{pool}: floor: plain + one durable PostgreSQL INSERT per task (no lease) runs at "
+        f"{at('floor-pg')} of plain; with two round trips {at('floor-pg-2rt')}; SQLite "
+        f"{at('floor-sqlite')} (plain: {plain_ms:.2f} ms per task)."
+    ]
+    for key in missed:
+        k = kinds[key]
+        floors = [(f, what) for f, what in _FLOOR_OF.get(k.results or "", []) if f in ratios]
+        if not floors:
+            continue
+        mine = _extra_ms(ratios[key], plain_ms)
+        against = []
+        for f, what in floors:
+            theirs = _extra_ms(ratios[f], plain_ms)
+            detail = [f"extra {theirs:+.2f} ms"] if theirs == theirs else []
+            if mine == mine and mine > 0 and theirs == theirs:
+                detail.append(
+                    f"{theirs / mine:.0%} of its extra time"
+                    if theirs > 0
+                    else "within noise of plain: none of its extra time"
+                )
+            against.append(
+                f"a floor of {fmt_ratio(ratios[f])} for {what}"
+                + (f" ({', '.join(detail)})" if detail else "")
+            )
+        lines.append(f"{pool}: {k.label}: {at(key)} against " + " and ".join(against) + ".")
+    return lines
+
+
+def _floor_summary(pool: str, ratios: dict[str, float]) -> str:
+    return (
+        f"Per task ({pool}): floors (plain + a durable result, no lease): one PostgreSQL "
+        f"INSERT {fmt_ratio(ratios.get('floor-pg'))}, two PostgreSQL round trips "
+        f"{fmt_ratio(ratios.get('floor-pg-2rt'))}, one SQLite INSERT "
+        f"{fmt_ratio(ratios.get('floor-sqlite'))} of plain"
+    )

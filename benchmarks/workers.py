@@ -31,6 +31,7 @@ class Kind:
     peer: bool = False
     ours: bool = False
     commit: bool = True  # LeasedTask's lease_commit
+    lookup: bool = False  # floor: one more round trip (a SELECT by task id) before the body
 
 
 KINDS = [
@@ -54,6 +55,19 @@ KINDS = [
          commit=False),
 ]  # fmt: skip
 
+#: References for the full run (not targets, not peers): a plain task whose body writes
+#: its result durably with one raw statement (no lease, no fencing), the cheapest a
+#: design that records a result per task can do here. Separate from KINDS, so that
+#: the round-trip count (section 3) does not run them.
+FLOORS = [
+    Kind("floor-pg", "floor: plain + one raw PostgreSQL `INSERT … ON CONFLICT DO NOTHING` "
+         "per task (no lease; reference, not a target)", "floor", results="pg"),
+    Kind("floor-pg-2rt", "floor: plain + a raw PostgreSQL `SELECT` by task id + the `INSERT` "
+         "(2 round trips; reference, not a target)", "floor", results="pg", lookup=True),
+    Kind("floor-sqlite", "floor: plain + one raw SQLite `INSERT`, committed "
+         "(no lease; reference, not a target)", "floor", results="sqlite"),
+]  # fmt: skip
+
 
 @dataclass
 class Targets:
@@ -64,7 +78,9 @@ class Targets:
     pg_redis_results: str | None = None  # results for the Redis store
     pg_both: str | None = None  # PostgreSQL store + results
     sqlite: str | None = None
+    floor_sqlite: str | None = None  # the floors' SQLite file (a sibling of ``sqlite``)
     unavailable: dict[str, str] = field(default_factory=dict)
+    _floors_ready: set[str] = field(default_factory=set)
 
     @classmethod
     def make(cls, env: Env, name: str) -> Targets:
@@ -73,6 +89,7 @@ class Targets:
             t.pg_redis_results = env.pg_database(f"{name}_rp")
             t.pg_both = env.pg_database(f"{name}_pp")
         t.sqlite = env.sqlite_url(name)
+        t.floor_sqlite = env.sqlite_url(f"{name}_floor").removeprefix("sqlite:///")
         return t
 
     def close(self) -> None:
@@ -109,7 +126,37 @@ class Targets:
             v["BENCH_RESULTS"] = str(results)
             if not k.commit:
                 v["BENCH_LEASE_COMMIT"] = "0"
+        elif k.kind == "floor":
+            self._prepare_floor(k)
+            if k.results == "pg":
+                assert self.pg_redis_results is not None
+                v["BENCH_FLOOR_PG"] = self.env.pg_dsn(self.pg_redis_results.rsplit("/", 1)[1])
+            else:
+                v["BENCH_FLOOR_SQLITE"] = str(self.floor_sqlite)
+            if k.lookup:
+                v["BENCH_FLOOR_LOOKUP"] = "1"
         return v
+
+    def _prepare_floor(self, k: Kind) -> None:
+        """Create the floor's table before its worker starts (once per store)."""
+        store = k.results or ""
+        if store in self._floors_ready:
+            return
+        if store == "pg":
+            import psycopg
+
+            assert self.pg_redis_results is not None
+            dsn = self.env.pg_dsn(self.pg_redis_results.rsplit("/", 1)[1])
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(benchapp.FLOOR_TABLE_PG)
+        else:
+            assert self.floor_sqlite is not None
+            conn = benchapp.floor_sqlite_connect(self.floor_sqlite)
+            try:
+                conn.execute(benchapp.FLOOR_TABLE_SQLITE)
+            finally:
+                conn.close()
+        self._floors_ready.add(store)
 
 
 _probe_cache: dict[str, str | None] = {}
