@@ -396,8 +396,9 @@ def _profile_miss(
     else:
         c.step = (
             "celery-lease's store path around its own statements (`LeaseStore.claim`/"
-            "`release`, `db.Conn`: a driver connection from the store's free list, "
-            "`:name` parameters, named-tuple rows, `Lease`)"
+            "`release`, `Database.pg_first`/`pg_count`: a driver connection and its cursor "
+            "from the store's free list, statements converted to psycopg placeholders once, "
+            "plain tuple rows, `Lease`)"
         )
         c.relative_to = variants[-1].name if variants else None  # fmt: skip
     lines = [

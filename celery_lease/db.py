@@ -19,6 +19,11 @@ Core: the benchmarks showed SQLAlchemy's execution and pool checkout cost
 more per statement than the statement's round trip (BENCHMARKS.md). The
 connections are still made by SQLAlchemy (same URL handling, TLS options and
 connect events), then detached from its pool into a small free list here.
+On PostgreSQL the commonest hot paths (a single-key claim or release, a
+colocated commit, a registration) skip even :class:`Conn`:
+:meth:`Database.pg_first` sends a statement converted to psycopg's
+placeholders once, at import, on the free-list connection's own cursor, and
+returns the plain tuple row.
 SQLAlchemy keeps everything else: migrations, the CLI, ``fencing.guard`` in
 the caller's own transaction. On PostgreSQL, statements that must run one
 after the other with nothing in between are *pipelined* (sent together, one
@@ -285,10 +290,12 @@ class Database:
         )
         if self.is_sqlite:
             self.pg_row_factory: Any = None
+            self.pg_tuple_row: Any = None
         else:
-            from psycopg.rows import namedtuple_row
+            from psycopg.rows import namedtuple_row, tuple_row
 
-            self.pg_row_factory = namedtuple_row
+            self.pg_row_factory = namedtuple_row  # rows with attribute access (Conn)
+            self.pg_tuple_row = tuple_row  # the free list's cursors: plain tuples
         self._pool = _Pool(self)
         self._migrated = False
         _after_fork_dispose(self)
@@ -320,6 +327,65 @@ class Database:
         instead of waiting its turn.
         """
         return Conn(self, *self._pool.get(), transaction=self.is_sqlite)
+
+    # -- the PostgreSQL hot path ---------------------------------------------
+
+    def pg_first(self, sql: str, params: Mapping[str, Any]) -> Any:
+        """PostgreSQL only: one autocommit statement (``sql`` already in psycopg's
+        ``%(name)s`` form, e.g. :data:`PG_CLAIM_ONE_PY`); its first row, or None.
+
+        What ``with db.single() as conn: conn.execute(sql, params).first()``
+        does (a connection from the free list, a stale one replaced and the
+        statement sent again once, driver errors translated), without the
+        :class:`Conn` and :class:`Rows` layers around one statement.
+        """
+        return self._pg_one(sql, params, True)
+
+    def pg_count(self, sql: str, params: Mapping[str, Any]) -> int:
+        """Like :meth:`pg_first`; the number of rows the statement returned."""
+        return self._pg_one(sql, params, False)  # type: ignore[no-any-return]
+
+    def _pg_one(self, sql: str, params: Mapping[str, Any], first: bool) -> Any:
+        pool = self._pool
+        pid = os.getpid()  # _Pool.get inlined: one getpid for the checkout and the return
+        if pool.pid != pid:
+            pool.forget()
+        try:
+            raw, cur = pool.idle.pop()
+            reused = True
+        except IndexError:
+            raw, cur = pool.connect()
+            reused = False
+        done = False
+        try:
+            try:
+                PG_TRAFFIC["round_trips"] += 1
+                PG_TRAFFIC["statements"] += 1
+                cur.execute(sql, params)
+            except self.driver_error:
+                if not (reused and self.is_gone(raw)):
+                    raise
+                # A stale connection from the free list: replace it, send again once.
+                _close_quietly(raw, self.driver_error)
+                raw = cur = None
+                raw, cur = pool.connect()
+                PG_TRAFFIC["round_trips"] += 1
+                PG_TRAFFIC["statements"] += 1
+                cur.execute(sql, params)
+            # RETURNING rows: rowcount is their number, so nothing is fetched to count them.
+            out = cur.fetchone() if first else cur.rowcount
+            done = True
+        except self.driver_error as e:
+            raise self.translate(e) from e
+        finally:
+            if not done:  # an error or an interruption: keep the session only if it is sound
+                pool.put_raw(raw, cur)
+        # The statement ran and returned: the session is alive and idle (autocommit).
+        if pool.pid == pid and len(pool.idle) < pool.MAX_IDLE:
+            pool.idle.append((raw, cur))
+        else:
+            _close_quietly(raw, self.driver_error)
+        return out
 
     def translate(self, e: BaseException) -> LeaseError:
         """celery-lease's error for a driver (or SQLAlchemy) error."""
@@ -361,6 +427,14 @@ _PARAM = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 def _pyformat(sql: str) -> str:
     """``:name`` placeholders as psycopg's ``%(name)s`` (``::`` casts left alone)."""
     return _PARAM.sub(r"%(\1)s", sql.replace("%", "%%"))
+
+
+#: The single-key PostgreSQL hot paths' statements (:meth:`Database.pg_first`,
+#: :meth:`Database.pg_count`), already in psycopg's ``%(name)s`` form: converted
+#: once here, not per call. The server receives the same text as through
+#: :meth:`Conn.execute`.
+PG_CLAIM_ONE_PY = _pyformat(PG_CLAIM_ONE)
+PG_RELEASE_ONE_PY = _pyformat(RELEASE_IN.format(now=NOW["postgresql"], keys=":key"))
 
 
 @lru_cache(maxsize=256)
@@ -561,7 +635,11 @@ class Conn:
             sql, params = statements[0]
             cur = self.cursor
             cur.execute(sql if params is None else _pyformat(sql), params)
-            return [Rows(cur.fetchall() if cur.description else [], cur.rowcount)]
+            rows = cur.fetchall() if cur.description else []
+            if rows:  # the cursor makes plain tuples: name them as pipelined rows are
+                make = self.db.pg_row_factory(cur)
+                rows = [make(r) for r in rows]
+            return [Rows(rows, cur.rowcount)]
         cursors = []
         with raw.pipeline():
             for sql, params in statements:
@@ -613,7 +691,9 @@ class _Pool:
             raw.row_factory = _sqlite_row
             return raw, None
         raw.autocommit = True
-        return raw, raw.cursor(row_factory=self.db.pg_row_factory)
+        # Plain tuple rows: the hot paths (Database.pg_first) unpack them as they
+        # are; Conn makes named tuples of the rows of the statements it runs.
+        return raw, raw.cursor(row_factory=self.db.pg_tuple_row)
 
     def put(self, conn: Conn) -> None:
         if conn.raw is None:
@@ -624,6 +704,18 @@ class _Pool:
             self.idle.append((conn.raw, conn.cursor))
         else:
             conn.discard()
+
+    def put_raw(self, raw: Any, cursor: Any) -> None:
+        """:meth:`put` for a connection used without a :class:`Conn` (autocommit)."""
+        if raw is None:
+            return
+        db = self.db
+        if db.is_gone(raw) or db.in_transaction(raw):
+            _close_quietly(raw, db.driver_error)  # never hand out a session in an unknown state
+        elif self.pid == os.getpid() and len(self.idle) < self.MAX_IDLE:
+            self.idle.append((raw, cursor))
+        else:
+            _close_quietly(raw, db.driver_error)
 
     def forget(self) -> None:
         """In a forked child: drop the parent's connections without touching them."""
@@ -873,6 +965,11 @@ SELECT (SELECT count(*) FROM own) AS owned, (SELECT fencing_token FROM dup) AS d
 """
 PG_COMMIT_RELEASE_SET = "expires_at = t.now, renewed_at = t.now"
 PG_COMMIT_KEEP_SET = "renewed_at = l.renewed_at"
+#: The two forms of PG_COMMIT_COLOCATED (release / keep the lease) and the
+#: registration, converted for :meth:`Database.pg_first` once.
+PG_COMMIT_RELEASE_PY = _pyformat(PG_COMMIT_COLOCATED.format(set=PG_COMMIT_RELEASE_SET))
+PG_COMMIT_KEEP_PY = _pyformat(PG_COMMIT_COLOCATED.format(set=PG_COMMIT_KEEP_SET))
+PG_RESULT_REGISTER_PY = _pyformat(RESULT_REGISTER.format(now=NOW["postgresql"]))
 RESULT_COLUMNS = """
 lease_key, fencing_token, task_id, task_name, owner_id, tenant, root_id, result, accepted_at
 """

@@ -58,6 +58,7 @@ from celery_lease import db as q
 from celery_lease.exceptions import (
     DuplicateResult,
     LeaseConfigError,
+    LeaseError,
     ResultNotSerializable,
     ResultTooLarge,
     StaleFencingToken,
@@ -188,9 +189,13 @@ class ResultTable:
         """
         if self.colocated:
             return
-        stmt = q.stmt(q.RESULT_REGISTER.format(now=self.db.now_sql))
-        with self.db.single() as conn:
-            row = conn.execute(stmt, {"key": lease.key, "token": lease.token}).first()
+        params = {"key": lease.key, "token": lease.token}
+        if self.db.is_sqlite:
+            stmt = q.stmt(q.RESULT_REGISTER.format(now=self.db.now_sql))
+            with self.db.single() as conn:
+                row = conn.execute(stmt, params).first()
+        else:
+            row = self.db.pg_first(q.PG_RESULT_REGISTER_PY, params)
         if row is None:
             raise StaleFencingToken(
                 lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
@@ -361,24 +366,24 @@ class ResultTable:
     ) -> float:
         once = mode == "once"
         if not self.db.is_sqlite:
-            sql = q.PG_COMMIT_COLOCATED.format(
-                set=q.PG_COMMIT_RELEASE_SET if release else q.PG_COMMIT_KEEP_SET
-            )
+            sql = q.PG_COMMIT_RELEASE_PY if release else q.PG_COMMIT_KEEP_PY
             params = {**row, "keys": list(lease.keys), "n": len(lease.keys), "once": once}
-            with self.db.single() as conn:
-                out = conn.execute(q.stmt(sql), params).one()
-            if int(out.owned) != len(lease.keys):
+            out = self.db.pg_first(sql, params)
+            if out is None:  # never: the statement selects one row of scalars
+                raise LeaseError("expected exactly one row, the database returned 0")
+            owned, duplicate_token, accepted = out
+            if int(owned) != len(lease.keys):
                 raise StaleFencingToken(
                     lease.key,
                     lease.token,
                     self._current_token(lease.key),
                     "the lease is no longer held by this owner",
                 )
-            if out.accepted_at is None:
+            if accepted is None:
                 raise DuplicateResult(
-                    lease.key, None if out.duplicate is None else int(out.duplicate)
+                    lease.key, None if duplicate_token is None else int(duplicate_token)
                 )
-            return float(out.accepted_at)
+            return float(accepted)
         placeholders, names = q.in_list("k", len(lease.keys))
         own = q.stmt(
             q.RESULT_OWN_LEASE.format(

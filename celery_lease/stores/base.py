@@ -82,6 +82,35 @@ class Lease:
     meta: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
+_new_object = object.__new__
+
+
+def make_lease(
+    key: str,
+    keys: tuple[str, ...],
+    owner_id: str,
+    token: int,
+    expires_at: float,
+    acquired_at: float,
+    ttl: float,
+    meta: Mapping[str, str],
+) -> Lease:
+    """``Lease(key, keys, ...)`` for the stores' hot paths: the same object (same
+    fields, same ``__dict__``), without the frozen dataclass's ``__init__``, which
+    sets each field through ``object.__setattr__`` (a few µs per claim)."""
+    lease: Lease = _new_object(Lease)
+    fields = lease.__dict__
+    fields["key"] = key
+    fields["keys"] = keys
+    fields["owner_id"] = owner_id
+    fields["token"] = token
+    fields["expires_at"] = expires_at
+    fields["acquired_at"] = acquired_at
+    fields["ttl"] = ttl
+    fields["meta"] = meta
+    return lease
+
+
 @dataclass(frozen=True)
 class LeaseRecord:
     """What a store holds for a key, for inspection, the CLI and monitoring.

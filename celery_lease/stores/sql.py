@@ -30,6 +30,7 @@ from celery_lease.stores.base import (
     LeaseStore,
     check_meta,
     check_ttl,
+    make_lease,
     normalize_keys,
 )
 
@@ -110,14 +111,37 @@ class SQLLeaseStore(LeaseStore):
         ttl: float,
         meta: dict[str, str],
     ) -> Lease | None:
-        params: dict[str, Any] = {f: meta.get(f) for f in META_FIELDS}
-        params.update(owner_id=owner_id, ttl=ttl)
-        if not self.db.is_sqlite and len(keys) == 1:
-            with self.db.single() as conn:
-                row = conn.execute(q.stmt(q.PG_CLAIM_ONE), {**params, "key": keys[0]}).first()
+        db = self.db
+        if len(keys) == 1 and not db.is_sqlite:
+            # The common case, kept thin: one statement, a plain tuple row.
+            get = meta.get
+            row = db.pg_first(
+                q.PG_CLAIM_ONE_PY,
+                {
+                    "key": keys[0],
+                    "owner_id": owner_id,
+                    "ttl": ttl,
+                    "task_id": get("task_id"),
+                    "task_name": get("task_name"),
+                    "root_id": get("root_id"),
+                    "tenant": get("tenant"),
+                },
+            )
             if row is None:
                 return None
-            return self._granted(primary, keys, owner_id, ttl, meta, row)
+            token, expires_at, acquired_at = row
+            return make_lease(
+                primary,
+                keys,
+                owner_id,
+                int(token),
+                float(expires_at),
+                float(acquired_at),
+                ttl,
+                meta,
+            )
+        params: dict[str, Any] = {f: meta.get(f) for f in META_FIELDS}
+        params.update(owner_id=owner_id, ttl=ttl)
         return self._claim_in_transaction(primary, keys, params, meta)[0]
 
     def _claim_in_transaction(
@@ -228,6 +252,11 @@ class SQLLeaseStore(LeaseStore):
         return out
 
     def do_release(self, lease: Lease) -> bool:
+        keys = lease.keys
+        if len(keys) == 1 and not self.db.is_sqlite:
+            # The common case, kept thin: one key, one statement, its row count.
+            one = {"key": keys[0], "owner_id": lease.owner_id, "token": lease.token}
+            return self.db.pg_count(q.PG_RELEASE_ONE_PY, one) == 1
         placeholders, names = q.in_list("k", len(lease.keys))
         params: dict[str, Any] = dict(zip(names, lease.keys))
         params.update(owner_id=lease.owner_id, token=lease.token)
