@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +309,41 @@ def test_threads_worker_renews_100_leases_in_one_round_trip_per_cycle(
         app.close()
 
 
+_FROZEN_TTL = 1.5
+
+
+@contextlib.contextmanager
+def _backend_frozen(
+    lease_redis: RedisServer, make_redis_server: Any, redis_url: str, tmp_path: Path
+) -> Iterator[tuple[RedisServer, Any, RedisLeaseStore, Worker, Path]]:
+    """A worker (TTL 1.5 s, STARTED tracked) whose result backend, a private
+    Redis, is frozen (SIGSTOP, proven) once the worker is up: its STARTED
+    write hangs. Yields (backend, tasks, lease store, worker, exec log)."""
+    from tests.apps.leaseapp import build
+
+    backend = make_redis_server(appendonly=False)
+    env = {
+        **_worker_env(tmp_path, redis_url, lease_redis.url(0), _FROZEN_TTL),
+        "CL_BACKEND": backend.url(0),
+        "CL_TRACK_STARTED": "1",
+    }
+    # The client publishes without the frozen backend (a Redis backend
+    # subscribes to the task's channel when it is sent).
+    app, tasks = build({**env, "CL_BACKEND": redis_url})
+    store = RedisLeaseStore(lease_redis.url(0))
+    worker = Worker("backend-frozen", env, tmp_path)
+    try:
+        worker.start()
+        backend.pause()
+        yield backend, tasks, store, worker, tmp_path / "exec.log"
+    finally:
+        backend.resume()
+        lease_redis.resume()
+        worker.kill()
+        store.close()
+        app.close()
+
+
 def test_lease_is_renewed_from_the_grant_while_the_started_write_hangs(
     lease_redis: RedisServer, make_redis_server: Any, redis_url: str, tmp_path: Path
 ) -> None:
@@ -319,24 +356,9 @@ def test_lease_is_renewed_from_the_grant_while_the_started_write_hangs(
     frozen (SIGSTOP) so the STARTED write hangs for 4 TTLs: the lease must stay
     live and renewed all along, and the body run once, with its lease.
     """
-    from tests.apps.leaseapp import build
-
-    ttl = 1.5
-    backend = make_redis_server(appendonly=False)
-    env = {
-        **_worker_env(tmp_path, redis_url, lease_redis.url(0), ttl),
-        "CL_BACKEND": backend.url(0),
-        "CL_TRACK_STARTED": "1",
-    }
-    log = tmp_path / "exec.log"
-    # The client publishes without the frozen backend (a Redis backend
-    # subscribes to the task's channel when it is sent).
-    app, tasks = build({**env, "CL_BACKEND": redis_url})
-    store = RedisLeaseStore(lease_redis.url(0))
-    worker = Worker("started-hangs", env, tmp_path)
-    try:
-        worker.start()
-        backend.pause()
+    ttl = _FROZEN_TTL
+    with _backend_frozen(lease_redis, make_redis_server, redis_url, tmp_path) as run:
+        backend, tasks, store, worker, log = run
         probe = redis.Redis.from_url(backend.url(0), socket_timeout=0.5)
         with pytest.raises(redis.exceptions.TimeoutError):
             probe.ping()  # the fault is in place: the backend answers nothing
@@ -370,11 +392,6 @@ def test_lease_is_renewed_from_the_grant_while_the_started_write_hangs(
         starts = [r for r in read_log(log) if r["event"] == "start"]
         assert len(starts) == 1
         assert "lease lost" not in worker.log_text()
-    finally:
-        backend.resume()
-        worker.kill()
-        store.close()
-        app.close()
 
 
 def test_a_lease_that_lapsed_before_the_body_is_requeued_not_run(
@@ -387,22 +404,9 @@ def test_a_lease_that_lapsed_before_the_body_is_requeued_not_run(
     body. That execution must not run the body; the task is re-queued, claimed
     again with a newer token, and its body runs once, holding its lease.
     """
-    from tests.apps.leaseapp import build
-
-    ttl = 1.5
-    backend = make_redis_server(appendonly=False)
-    env = {
-        **_worker_env(tmp_path, redis_url, lease_redis.url(0), ttl),
-        "CL_BACKEND": backend.url(0),
-        "CL_TRACK_STARTED": "1",
-    }
-    log = tmp_path / "exec.log"
-    app, tasks = build({**env, "CL_BACKEND": redis_url})
-    store = RedisLeaseStore(lease_redis.url(0))
-    worker = Worker("lapsed-before-body", env, tmp_path)
-    try:
-        worker.start()
-        backend.pause()
+    ttl = _FROZEN_TTL
+    with _backend_frozen(lease_redis, make_redis_server, redis_url, tmp_path) as run:
+        backend, tasks, store, _, log = run
         key = f"lapse-{time.monotonic_ns()}"
         sent = tasks.work.delay(key, sleep=0.2)
         granted = wait_for(
@@ -430,9 +434,3 @@ def test_a_lease_that_lapsed_before_the_body_is_requeued_not_run(
         assert ends[0]["token"] > granted.token, "the body ran on the lapsed grant"
         accepted = wait_for(lambda: tasks.work.accepted(key), 30, "the accepted result")
         assert (accepted.task_id, accepted.token) == (sent.id, ends[0]["token"])
-    finally:
-        backend.resume()
-        lease_redis.resume()
-        worker.kill()
-        store.close()
-        app.close()
