@@ -65,7 +65,14 @@ from celery_lease.exceptions import (
     StoreUnavailable,
 )
 from celery_lease.keys import shorten
-from celery_lease.stores.base import Lease, LeaseStore
+from celery_lease.stores.base import (
+    Lease,
+    LeaseStore,
+    check_meta,
+    check_ttl,
+    make_lease,
+    normalize_keys,
+)
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -212,8 +219,8 @@ class ResultTable:
         once: bool,
     ) -> tuple[Lease | None, Prepared | None]:
         """Leases in this database (:attr:`colocated`) only: claim ``key`` and
-        :meth:`prepare` together, one round trip on PostgreSQL (the claim and
-        the look-up pipelined; there is nothing to register). Returns
+        :meth:`prepare` together, one round trip on PostgreSQL (one key: one
+        server-side call; there is nothing to register). Returns
         ``(None, None)`` when not granted. With leases elsewhere, claim from
         the store and call :meth:`prepare` (it may refuse a granted lease,
         which the caller must then release).
@@ -222,6 +229,10 @@ class ResultTable:
 
         if not (self.colocated and isinstance(self.store, SQLLeaseStore)):
             raise LeaseConfigError("claim_prepared needs the leases in the result database")
+        if not self.db.is_sqlite:
+            primary, keys = normalize_keys(key)
+            if len(keys) == 1:
+                return self._claim_lookup(primary, ttl, owner_id, meta, task_id, once)
         lookup = {"token": None, "task_id": task_id, "once": once}
         lease, rows = self.store.claim_then(
             key, (q.PREPARE_LOOKUP, lookup), ttl=ttl, owner_id=owner_id, meta=meta
@@ -229,6 +240,44 @@ class ResultTable:
         if lease is None or rows is None:
             return None, None
         return lease, self._prepared(rows.one())
+
+    def _claim_lookup(
+        self,
+        key: str,
+        ttl: float,
+        owner_id: str,
+        meta: dict[str, str | None],
+        task_id: str | None,
+        once: bool,
+    ) -> tuple[Lease | None, Prepared | None]:
+        """PostgreSQL, one key: the claim and the look-ups in one server-side
+        call (``celery_lease_claim_lookup``, migration 0002): one round trip,
+        the look-ups reading a snapshot taken after the claim's lock waits."""
+        ttl, checked = check_ttl(ttl), check_meta(meta)
+        get = checked.get
+        row = self.db.pg_first(
+            q.PG_CLAIM_LOOKUP_PY,
+            {
+                "key": key,
+                "owner_id": owner_id,
+                "ttl": ttl,
+                "task_id": get("task_id"),
+                "task_name": get("task_name"),
+                "root_id": get("root_id"),
+                "tenant": get("tenant"),
+                "once": once,
+            },
+        )
+        if row is None:
+            return None, None
+        token, expires_at, acquired_at, task_token, duplicate_token = row
+        lease = make_lease(
+            key, (key,), owner_id, int(token), float(expires_at), float(acquired_at), ttl, checked
+        )
+        return lease, Prepared(
+            None if task_token is None else int(task_token),
+            None if duplicate_token is None else int(duplicate_token),
+        )
 
     @staticmethod
     def _prepared(row: Any) -> Prepared:
@@ -249,15 +298,26 @@ class ResultTable:
         registration waits for that commit, and only a statement started after
         the wait sees the accepted row (one statement would read the results
         with a snapshot taken before the wait, and run an accepted task again).
-        On PostgreSQL both are pipelined: sent together, one round trip, the
-        server running the look-up after the registration returned.
+        On PostgreSQL, with leases elsewhere, both run in one server-side call
+        (``celery_lease_register_lookup``, migration 0002: two statements, two
+        snapshots), one round trip.
         """
         params = {"key": lease.key, "token": lease.token, "task_id": task_id, "once": once}
+        if not self.colocated and not self.db.is_sqlite:
+            registered, task_token, duplicate_token = self.db.pg_first(
+                q.PG_REGISTER_LOOKUP_PY, params
+            )
+            if registered is None:
+                raise StaleFencingToken(
+                    lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
+                )
+            return Prepared(
+                None if task_token is None else int(task_token),
+                None if duplicate_token is None else int(duplicate_token),
+            )
         statements = [(q.PREPARE_LOOKUP, params)]
         if not self.colocated:
             statements.insert(0, (q.RESULT_REGISTER.format(now=self.db.now_sql), params))
-        # PostgreSQL: pipelined, so one round trip; the server still starts the
-        # look-up only after the registration (and any wait for its lock) ended.
         with self.db.single() as conn:
             out = conn.pipeline(*statements)
         row = out[-1].one()

@@ -142,6 +142,44 @@ def test_downgrade_to_base_removes_the_tables(fresh_url: str) -> None:
         store.close()
 
 
+def our_functions(url: str) -> set[str]:
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text("SELECT proname FROM pg_proc WHERE proname LIKE 'celery_lease_%'")
+            )
+            return {r[0] for r in rows}
+    finally:
+        engine.dispose()
+
+
+def test_a_postgresql_database_one_revision_behind_says_to_migrate(fresh_url: str) -> None:
+    """0002 adds the PL/pgSQL functions the per-task path calls: a database left
+    at 0001 fails with the fix named (not a bare "function does not exist"),
+    and works once migrated; a downgrade removes the functions again."""
+    if fresh_url.startswith("sqlite"):
+        pytest.skip("the functions are PostgreSQL's (SQLite needs none)")
+    from celery_lease.exceptions import LeaseConfigError
+    from celery_lease.results import ResultTable
+    from celery_lease.stores.sql import SQLLeaseStore
+
+    celery_lease.migrate(fresh_url, "0001")
+    assert our_functions(fresh_url) == set()
+    store = SQLLeaseStore(fresh_url)
+    table = ResultTable(fresh_url, store)
+    claim = {"ttl": 30, "owner_id": "w", "meta": {}, "task_id": "t1", "once": False}
+    with pytest.raises(LeaseConfigError, match="lease migrate"):
+        table.claim_prepared("behind", **claim)
+    celery_lease.migrate(fresh_url)
+    assert our_functions(fresh_url) == {"celery_lease_claim_lookup", "celery_lease_register_lookup"}
+    lease, prepared = table.claim_prepared("behind", **claim)
+    assert lease is not None and prepared is not None and prepared.task_token is None
+    q.downgrade(fresh_url, "0001")
+    assert our_functions(fresh_url) == set()
+    store.close()
+
+
 def test_check_catches_a_column_dropped_by_hand(fresh_url: str) -> None:
     celery_lease.migrate(fresh_url)
     engine = create_engine(fresh_url, poolclass=NullPool)

@@ -6,9 +6,10 @@ then look up) answer two questions before a task's body runs: was this task
 id's result accepted already (a late redelivery), and, in ``once`` mode, does
 the key have an accepted result (a duplicate)?
 
-On PostgreSQL the two statements are pipelined (one round trip). What must
-survive that: the look-up runs only after the claim or registration
-returned, so a commit that was still in progress when the copy claimed (its
+On PostgreSQL, for one key, the two statements run in one server-side call
+(migration 0002's PL/pgSQL functions: one round trip). What must survive
+that: the look-up runs only after the claim or registration returned, in a
+snapshot of its own, so a commit that was still in progress when the copy claimed (its
 transaction holding the lock the claim or registration waits for) is seen.
 The race tests hold such a commit open in a real transaction, prove the
 copy is waiting on its lock (``pg_stat_activity``), end the commit, and

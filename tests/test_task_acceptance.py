@@ -486,14 +486,15 @@ def test_redelivery_during_the_owners_commit_is_not_executed(
         assert rec is not None and not rec.live and rec.token == s1["token"], rec
         assert c.ends(t1.id) and c.table.for_task(t1.id) is None
 
-        # The copy: claims the free key, then its registration waits on the fence
-        # row that the owner's commit holds.
+        # The copy: claims the free key, then its registration (with the look-up,
+        # one call: celery_lease_register_lookup) waits on the fence row that the
+        # owner's commit holds.
         c.app.send_task(
             task.name, args=(key,), kwargs={"sleep": 0.5, "tag": "owner"}, task_id=t1.id
         )
         wait_for(lambda: w.log_text().count(f"[{t1.id}] received") == 2, 10, "the copy to arrive")
         wait_for(
-            lambda: pg_waiting(engine, "%celery_lease_fences%") == 1,
+            lambda: pg_waiting(engine, "%celery_lease_register_lookup%") == 1,
             10,
             "the copy's registration to wait on the owner's commit",
         )

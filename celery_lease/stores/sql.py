@@ -59,12 +59,13 @@ class SQLLeaseStore(LeaseStore):
         meta: dict[str, str | None] | None = None,
     ) -> tuple[Lease | None, q.Rows | None]:
         """:meth:`claim`, then one statement of the caller's (``:key`` bound to
-        ``Lease.key``); its rows, or None when nothing was granted.
+        ``Lease.key``) in the claim's transaction; its rows, or None when
+        nothing was granted.
 
         The statement runs after the claim returned, so it reads a snapshot
         taken after any wait for the claim's row locks (a commit that released
-        the key is visible to it). On PostgreSQL, for one key, the two are
-        pipelined: one round trip.
+        the key is visible to it). Used for SQLite and several keys; one key on
+        PostgreSQL has its one-call form (``ResultTable.claim_prepared``).
         """
         primary, keys = normalize_keys(key)
         ttl, checked = check_ttl(ttl), check_meta(meta)
@@ -72,36 +73,7 @@ class SQLLeaseStore(LeaseStore):
         params = {**params, "key": primary}
         claim: dict[str, Any] = {f: checked.get(f) for f in META_FIELDS}
         claim.update(owner_id=owner_id, ttl=ttl)
-        if self.db.is_sqlite or len(keys) != 1:
-            # In the claim's own transaction, after it (one SQLite transaction).
-            return self._claim_in_transaction(primary, keys, claim, checked, then=(sql, params))
-        claim["key"] = primary
-        with self.db.single() as conn:
-            granted, rows = conn.pipeline((q.PG_CLAIM_ONE, claim), (sql, params))
-        row = granted.first()
-        if row is None:
-            return None, None
-        return self._granted(primary, keys, owner_id, ttl, checked, row), rows
-
-    @staticmethod
-    def _granted(
-        primary: str,
-        keys: tuple[str, ...],
-        owner_id: str,
-        ttl: float,
-        meta: dict[str, str],
-        row: Any,
-    ) -> Lease:
-        return Lease(
-            primary,
-            keys,
-            owner_id,
-            int(row.fencing_token),
-            float(row.expires_at),
-            float(row.acquired_at),
-            ttl,
-            meta,
-        )
+        return self._claim_in_transaction(primary, keys, claim, checked, then=(sql, params))
 
     def do_claim(
         self,
