@@ -17,7 +17,11 @@ Variables:
 - ``BENCH_STORE`` / ``BENCH_RESULTS``: ``lease_store_url`` / ``lease_result_url`` (leased);
   ``BENCH_LEASE_COMMIT=0``: ``lease_commit=False``
 - ``BENCH_FLOOR_PG`` (libpq DSN) or ``BENCH_FLOOR_SQLITE`` (a file): where ``floor``
-  writes; ``BENCH_FLOOR_LOOKUP=1``: one more round trip first (a ``SELECT`` by task id)
+  writes; ``BENCH_FLOOR_LOOKUP=1``: one more round trip first (a ``SELECT`` by task id);
+  ``BENCH_FLOOR_WRITES=2``: two committed writes (SQLite: a claim's transaction and a
+  commit's); ``BENCH_FLOOR_PROTOCOL=1`` (PostgreSQL, a migrated celery-lease database):
+  celery-lease's own two statements for one key (the claim-and-look-up call, the
+  commit-and-release) sent with raw psycopg, no celery-lease code around them
 - ``BENCH_TIMES_DIR``: where completion times go
 - ``BENCH_SQL_TRACE``: count SQLite statements (the count is written with each time),
   and PostgreSQL round trips and statements as celery-lease's driver layer sends them
@@ -82,6 +86,8 @@ class _Floor:
         if not (self.pg or self.sqlite):
             raise ValueError("BENCH_KIND=floor needs BENCH_FLOOR_PG or BENCH_FLOOR_SQLITE")
         self.lookup_first = environ.get("BENCH_FLOOR_LOOKUP") == "1"
+        self.writes = int(environ.get("BENCH_FLOOR_WRITES", "1"))
+        self.protocol = environ.get("BENCH_FLOOR_PROTOCOL") == "1"
         mark = "%s" if self.pg else "?"
         self.insert = (
             f"INSERT INTO bench_floor_results (task_id, result) VALUES ({mark}, {mark}) "
@@ -96,7 +102,10 @@ class _Floor:
             if self.pg:
                 import psycopg
 
-                self.cursor = psycopg.connect(self.pg, autocommit=True).cursor()
+                conn = psycopg.connect(self.pg, autocommit=True)
+                if self.protocol:  # as celery-lease's own connections (celery_lease/db.py)
+                    conn.execute("SET plan_cache_mode = force_generic_plan")
+                self.cursor = conn.cursor()
             else:
                 self.cursor = floor_sqlite_connect(str(self.sqlite)).cursor()
             self.pid = os.getpid()
@@ -108,7 +117,31 @@ class _Floor:
         return cursor.fetchone()
 
     def write(self, task_id: str, result: Any) -> None:
-        self._cursor().execute(self.insert, (task_id, json.dumps(result)))
+        cursor = self._cursor()
+        if self.writes == 2:  # the claim's transaction, then the commit's
+            cursor.execute(self.insert, (f"claim-{task_id}", "null"))
+        cursor.execute(self.insert, (task_id, json.dumps(result)))
+
+    def claim_and_commit(self, task_id: str, result: Any) -> None:
+        """celery-lease's PostgreSQL statements for one key, sent raw (leases and
+        results in one database): what ``LeasedTask`` sends, without its code."""
+        from celery_lease import db as q
+
+        cursor = self._cursor()
+        key = f"floor-{task_id}"
+        cursor.execute(
+            q.PG_CLAIM_LOOKUP_PY,
+            {"key": key, "owner_id": task_id, "ttl": 30.0, "task_id": task_id,
+             "task_name": "bench.noop", "root_id": None, "tenant": None, "once": False},
+        )  # fmt: skip
+        token = cursor.fetchone()[0]
+        cursor.execute(
+            q.PG_COMMIT_RELEASE_PY,
+            {"key": key, "token": token, "task_id": task_id, "task_name": "bench.noop",
+             "owner_id": task_id, "tenant": None, "root_id": None,
+             "result": json.dumps(result), "keys": [key], "n": 1, "once": False},
+        )  # fmt: skip
+        cursor.fetchone()
 
 
 def build(environ: Mapping[str, str]) -> tuple[Celery, Any]:
@@ -213,9 +246,12 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, Any]:
         # the lookup stands for the claim a lease needs at minimum; the write for the commit
         @app.task(name=name, shared=False, bind=True)
         def noop(self: Any, i: int) -> None:
+            result = None
+            if floor.protocol:
+                floor.claim_and_commit(self.request.id, result)
+                return result
             if floor.lookup_first:
                 floor.lookup(self.request.id)
-            result = None
             floor.write(self.request.id, result)
             return result
 

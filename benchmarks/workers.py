@@ -32,6 +32,8 @@ class Kind:
     ours: bool = False
     commit: bool = True  # LeasedTask's lease_commit
     lookup: bool = False  # floor: one more round trip (a SELECT by task id) before the body
+    writes: int = 1  # floor: committed writes per task
+    protocol: bool = False  # floor: celery-lease's own PostgreSQL statements, sent raw
 
 
 KINDS = [
@@ -66,6 +68,12 @@ FLOORS = [
          "(2 round trips; reference, not a target)", "floor", results="pg", lookup=True),
     Kind("floor-sqlite", "floor: plain + one raw SQLite `INSERT`, committed "
          "(no lease; reference, not a target)", "floor", results="sqlite"),
+    Kind("floor-sqlite-2tx", "floor: plain + two raw SQLite `INSERT`s, each committed "
+         "(a claim's transaction and a commit's; reference, not a target)", "floor",
+         results="sqlite", writes=2),
+    Kind("floor-pg-protocol", "floor: plain + celery-lease's two PostgreSQL statements "
+         "(claim-and-look-up, commit-and-release) sent with raw psycopg, no celery-lease "
+         "code (reference, not a target)", "floor", results="pg", protocol=True),
 ]  # fmt: skip
 
 
@@ -135,6 +143,13 @@ class Targets:
                 v["BENCH_FLOOR_SQLITE"] = str(self.floor_sqlite)
             if k.lookup:
                 v["BENCH_FLOOR_LOOKUP"] = "1"
+            if k.writes != 1:
+                v["BENCH_FLOOR_WRITES"] = str(k.writes)
+            if k.protocol:
+                # celery-lease's tables and functions: the PG+PG LeasedTask's database
+                assert self.pg_both is not None
+                v["BENCH_FLOOR_PG"] = self.env.pg_dsn(self.pg_both.rsplit("/", 1)[1])
+                v["BENCH_FLOOR_PROTOCOL"] = "1"
         return v
 
     def _prepare_floor(self, k: Kind) -> None:
@@ -252,7 +267,7 @@ class WorkerRun:
                 return f"worker exited with {self.proc.returncode}: {self.log_tail()}"
             if time.monotonic() > deadline:
                 return f"timed out after {timeout:.0f} s with {done}/{n} done: {self.log_tail()}"
-            time.sleep(0.02)
+            time.sleep(0.1)  # the rate comes from the workers' timestamps, not from this poll
 
     def stop(self, *, warm: bool = False) -> None:
         """SIGKILL the worker's process group; ``warm``: SIGTERM first and wait
