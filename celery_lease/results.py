@@ -239,7 +239,8 @@ class ResultTable:
         )
         if lease is None or rows is None:
             return None, None
-        return lease, self._prepared(rows.one())
+        row = rows.one()
+        return lease, self._prepared(row.task_token, row.duplicate_token)
 
     def _claim_lookup(
         self,
@@ -274,16 +275,13 @@ class ResultTable:
         lease = make_lease(
             key, (key,), owner_id, int(token), float(expires_at), float(acquired_at), ttl, checked
         )
-        return lease, Prepared(
-            None if task_token is None else int(task_token),
-            None if duplicate_token is None else int(duplicate_token),
-        )
+        return lease, self._prepared(task_token, duplicate_token)
 
     @staticmethod
-    def _prepared(row: Any) -> Prepared:
+    def _prepared(task_token: Any, duplicate_token: Any) -> Prepared:
         return Prepared(
-            None if row.task_token is None else int(row.task_token),
-            None if row.duplicate_token is None else int(row.duplicate_token),
+            None if task_token is None else int(task_token),
+            None if duplicate_token is None else int(duplicate_token),
         )
 
     def prepare(self, lease: Lease, task_id: str | None, *, once: bool) -> Prepared:
@@ -311,10 +309,7 @@ class ResultTable:
                 raise StaleFencingToken(
                     lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
                 )
-            return Prepared(
-                None if task_token is None else int(task_token),
-                None if duplicate_token is None else int(duplicate_token),
-            )
+            return self._prepared(task_token, duplicate_token)
         statements = [(q.PREPARE_LOOKUP, params)]
         if not self.colocated:
             statements.insert(0, (q.RESULT_REGISTER.format(now=self.db.now_sql), params))
@@ -326,7 +321,7 @@ class ResultTable:
             raise StaleFencingToken(
                 lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
             )
-        return self._prepared(row)
+        return self._prepared(row.task_token, row.duplicate_token)
 
     # -- the commit --------------------------------------------------------
 
