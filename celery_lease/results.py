@@ -302,9 +302,10 @@ class ResultTable:
         """
         params = {"key": lease.key, "token": lease.token, "task_id": task_id, "once": once}
         if not self.colocated and not self.db.is_sqlite:
-            registered, task_token, duplicate_token = self.db.pg_first(
-                q.PG_REGISTER_LOOKUP_PY, params
-            )
+            out = self.db.pg_first(q.PG_REGISTER_LOOKUP_PY, params)
+            if out is None:  # never: the function returns one row
+                raise LeaseError("expected exactly one row, the database returned 0")
+            registered, task_token, duplicate_token = out
             if registered is None:
                 raise StaleFencingToken(
                     lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
