@@ -102,10 +102,7 @@ class _Floor:
             if self.pg:
                 import psycopg
 
-                conn = psycopg.connect(self.pg, autocommit=True)
-                if self.protocol:  # as celery-lease's own connections (celery_lease/db.py)
-                    conn.execute("SET plan_cache_mode = force_generic_plan")
-                self.cursor = conn.cursor()
+                self.cursor = psycopg.connect(self.pg, autocommit=True).cursor()
             else:
                 self.cursor = floor_sqlite_connect(str(self.sqlite)).cursor()
             self.pid = os.getpid()

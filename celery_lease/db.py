@@ -709,14 +709,6 @@ class _Pool:
             raw.row_factory = _sqlite_row
             return raw, None
         raw.autocommit = True
-        if raw.info.server_version >= 120000:
-            # Our statements are key look-ups whose best plan does not depend
-            # on the values bound; left to itself PostgreSQL re-plans the
-            # claim's and the commit's CTEs on every execution (it prices the
-            # custom plan, which folds `:once`, below the generic one): about
-            # 0.3 ms of planning per commit, measured. Prepared once, planned once.
-            with self.db.errors():
-                raw.execute("SET plan_cache_mode = force_generic_plan")
         # Plain tuple rows: the hot paths (Database.pg_first) unpack them as they
         # are; Conn makes named tuples of the rows of the statements it runs.
         return raw, raw.cursor(row_factory=self.db.pg_tuple_row)
