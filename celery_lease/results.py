@@ -225,14 +225,28 @@ class ResultTable:
         the store and call :meth:`prepare` (it may refuse a granted lease,
         which the caller must then release).
         """
-        from celery_lease.stores.sql import SQLLeaseStore
+        from celery_lease.stores.sql import SQLLeaseStore, claim_params
 
         if not (self.colocated and isinstance(self.store, SQLLeaseStore)):
             raise LeaseConfigError("claim_prepared needs the leases in the result database")
         if not self.db.is_sqlite:
             primary, keys = normalize_keys(key)
             if len(keys) == 1:
-                return self._claim_lookup(primary, ttl, owner_id, meta, task_id, once)
+                # One key: the claim and the look-ups in one server-side call
+                # (celery_lease_claim_lookup, migration 0002), the look-ups
+                # reading a snapshot taken after the claim's lock waits.
+                ttl, checked = check_ttl(ttl), check_meta(meta)
+                params = claim_params(primary, owner_id, ttl, checked)
+                params["once"] = once
+                out = self.db.pg_first(q.PG_CLAIM_LOOKUP_PY, params)
+                if out is None:
+                    return None, None
+                token, expires_at, acquired_at, task_token, duplicate_token = out
+                granted = make_lease(
+                    primary, keys, owner_id, int(token), float(expires_at), float(acquired_at),
+                    ttl, checked,
+                )  # fmt: skip
+                return granted, self._prepared(task_token, duplicate_token)
         lookup = {"token": None, "task_id": task_id, "once": once}
         lease, rows = self.store.claim_then(
             key, (q.PREPARE_LOOKUP, lookup), ttl=ttl, owner_id=owner_id, meta=meta
@@ -241,41 +255,6 @@ class ResultTable:
             return None, None
         row = rows.one()
         return lease, self._prepared(row.task_token, row.duplicate_token)
-
-    def _claim_lookup(
-        self,
-        key: str,
-        ttl: float,
-        owner_id: str,
-        meta: dict[str, str | None],
-        task_id: str | None,
-        once: bool,
-    ) -> tuple[Lease | None, Prepared | None]:
-        """PostgreSQL, one key: the claim and the look-ups in one server-side
-        call (``celery_lease_claim_lookup``, migration 0002): one round trip,
-        the look-ups reading a snapshot taken after the claim's lock waits."""
-        ttl, checked = check_ttl(ttl), check_meta(meta)
-        get = checked.get
-        row = self.db.pg_first(
-            q.PG_CLAIM_LOOKUP_PY,
-            {
-                "key": key,
-                "owner_id": owner_id,
-                "ttl": ttl,
-                "task_id": get("task_id"),
-                "task_name": get("task_name"),
-                "root_id": get("root_id"),
-                "tenant": get("tenant"),
-                "once": once,
-            },
-        )
-        if row is None:
-            return None, None
-        token, expires_at, acquired_at, task_token, duplicate_token = row
-        lease = make_lease(
-            key, (key,), owner_id, int(token), float(expires_at), float(acquired_at), ttl, checked
-        )
-        return lease, self._prepared(task_token, duplicate_token)
 
     @staticmethod
     def _prepared(task_token: Any, duplicate_token: Any) -> Prepared:

@@ -39,6 +39,21 @@ __all__ = ["SQLLeaseStore"]
 _RETRIES = 3  # for deadlocks between multi-key claimers and single-key claimers
 
 
+def claim_params(key: str, owner_id: str, ttl: float, meta: dict[str, str]) -> dict[str, Any]:
+    """The parameters of a single-key PostgreSQL claim (``PG_CLAIM_ONE`` and
+    the ``celery_lease_claim_lookup`` call), ``meta`` already checked."""
+    get = meta.get
+    return {
+        "key": key,
+        "owner_id": owner_id,
+        "ttl": ttl,
+        "task_id": get("task_id"),
+        "task_name": get("task_name"),
+        "root_id": get("root_id"),
+        "tenant": get("tenant"),
+    }
+
+
 class SQLLeaseStore(LeaseStore):
     schemes = ("postgresql", "postgresql+psycopg", "sqlite")
 
@@ -86,19 +101,7 @@ class SQLLeaseStore(LeaseStore):
         db = self.db
         if len(keys) == 1 and not db.is_sqlite:
             # The common case, kept thin: one statement, a plain tuple row.
-            get = meta.get
-            row = db.pg_first(
-                q.PG_CLAIM_ONE_PY,
-                {
-                    "key": keys[0],
-                    "owner_id": owner_id,
-                    "ttl": ttl,
-                    "task_id": get("task_id"),
-                    "task_name": get("task_name"),
-                    "root_id": get("root_id"),
-                    "tenant": get("tenant"),
-                },
-            )
+            row = db.pg_first(q.PG_CLAIM_ONE_PY, claim_params(keys[0], owner_id, ttl, meta))
             if row is None:
                 return None
             token, expires_at, acquired_at = row
