@@ -79,7 +79,10 @@ class HeldLease:
         self.expires_at = lease.expires_at
         self.lost_reason: str | None = None
         self.released = False
+        #: Out of the renewer: nobody renews this lease any more.
         self.detached = False
+        #: ``on_lost`` silenced: a commit decides the outcome from here on.
+        self.silenced = False
         self.renewals = 0
         self._lock = threading.RLock()
         self._on_lost: list[LostCallback] = [on_lost] if on_lost else []
@@ -172,26 +175,40 @@ class HeldLease:
             if self.lost_reason is not None or self.released:
                 return
             self.lost_reason = reason
+            renewer().discard(self)
+            if self.silenced:
+                # A commit is deciding (it may have released the lease already,
+                # so a renewal racing it is refused): its answer is the outcome.
+                logger.debug("lease %s: %s (during the commit)", self.key, reason)
+                return
             logger.warning(
                 "lease lost: %s",
                 reason,
                 extra={"action": "lease_lost", "lease_key": self.key, "token": self.token},
             )
-            renewer().discard(self)
-            if not self.detached:
-                for cb in self._on_lost:
-                    cb(self, reason)
+            for cb in self._on_lost:
+                cb(self, reason)
+
+    def silence(self) -> None:
+        """Silence ``on_lost`` but go on renewing (while a commit decides the outcome).
+
+        A commit can wait for the result database's lock (SQLite's one writer,
+        busy with a hundred threads' commits; a row lock) for longer than the
+        lease has left: renewed meanwhile, the lease is still held when the
+        commit asks the store. Waits for a renewal answer being applied to this
+        lease, so a lost-lease callback can never run after the caller moved on.
+        """
+        with self._lock:
+            self.silenced = True
 
     def detach(self) -> None:
-        """Stop renewing and silence ``on_lost`` (before a commit decides the outcome).
-
-        Waits for a renewal answer being applied to this lease, so a lost-lease
-        callback can never run after the caller has moved on.
-        """
+        """Stop renewing and silence ``on_lost`` (before a commit decides the
+        outcome, or after it did). Waits as :meth:`silence` does."""
         if self.detached:
             return  # detached already: out of the renewer, and past any renewal answer
         renewer().discard(self)
         with self._lock:
+            self.silenced = True
             self.detached = True
 
     def release(self) -> bool:

@@ -93,6 +93,13 @@ class Runtime:
             options.setdefault("key_prefix", cfg.key_prefix)
         self.store: LeaseStore = LeaseStore.from_url(cfg.store_url, **options)
         self.results = ResultTable(cfg.result_url, self.store, max_bytes=cfg.result_max_bytes)
+        #: Renew a lease until its commit has answered (not only until the body
+        #: ended): a commit that waits for the result database's lock longer
+        #: than the lease has left would otherwise find it expired and re-queue
+        #: work that was done. Not with leases in the same PostgreSQL database:
+        #: there the commit locks the lease rows, and the process's one renewal
+        #: statement would wait behind it, every other lease's renewal with it.
+        self.renew_through_commit = not (self.results.colocated and not self.results.db.is_sqlite)
 
 
 _runtimes: dict[int, tuple[int, Runtime]] = {}
@@ -380,7 +387,10 @@ class _Execution:
                 # The local view ran out while the body ran (a pause): say so
                 # now, so LEASE_LOST is sent before the commit decides FENCED.
                 held.mark_lost("the lease's local validity ran out while the body ran")
-            held.detach()
+            if self.opts.commit and self.rt.renew_through_commit:
+                held.silence()
+            else:
+                held.detach()
             if not self.opts.commit:
                 finished = True
                 self.release()
@@ -389,6 +399,7 @@ class _Execution:
             finished = True
             return result
         finally:
+            held.detach()
             self.req._celery_lease = None
             if not finished:
                 self.release()
@@ -560,6 +571,10 @@ class _Execution:
             retval, task_name=self.task.name, max_bytes=self.cfg.result_max_bytes
         )
         delay = 0.1
+        # Retries end when the lease's validity as of the body's end does: the
+        # renewals that go on through the commit must not keep a commit retrying
+        # against a result database that stays down.
+        deadline = held.valid_until
         while True:
             try:
                 self.rt.results.commit(
@@ -583,7 +598,7 @@ class _Execution:
                 held.released = True
                 self.duplicate(e)
             except StoreUnavailable as e:
-                if time.monotonic() + delay < held.valid_until:
+                if time.monotonic() + delay < deadline:
                     time.sleep(_jitter(delay))
                     delay = min(delay * 2, 1.0)
                     continue

@@ -40,6 +40,7 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -181,19 +182,25 @@ def pg_results(pg_url: str) -> str:
 def make_cluster(
     tmp_path: Path, make_redis_server: Callable[..., RedisServer], pg_results: str
 ) -> Iterator[Callable[..., Cluster]]:
-    """``make_cluster(store="redis"|"pg", ttl=, vt=)``: a private Redis (broker db 0,
-    backend db 1, lease store db 2 when ``store="redis"``), results in PostgreSQL;
-    every worker is killed after the test."""
+    """``make_cluster(store="redis"|"pg", ttl=, vt=, results_url=)``: a private Redis
+    (broker db 0, backend db 1, lease store db 2 when ``store="redis"``), results in
+    PostgreSQL (or ``results_url``); every worker is killed after the test."""
     made: list[Cluster] = []
 
-    def make(store: str = "redis", *, ttl: float = TTL, vt: float | None = None) -> Cluster:
+    def make(
+        store: str = "redis",
+        *,
+        ttl: float = TTL,
+        vt: float | None = None,
+        results_url: str | None = None,
+    ) -> Cluster:
         redis = make_redis_server(appendonly=False)
         cluster = Cluster(
             tmp_path,
             broker=redis.url(0),
             backend=redis.url(1),
             store_url=redis.url(2) if store == "redis" else pg_results,
-            results_url=pg_results,
+            results_url=results_url or pg_results,
             ttl=ttl,
             vt=vt,
         )
@@ -517,6 +524,76 @@ def test_redelivery_during_the_owners_commit_is_not_executed(
     wait_for(in_log(w, f"LEASE_REJECTED {t1.id}"), 10, "the copy to be rejected")
     assert backend_state(c, t1.id) == ("SUCCESS", value)
     assert [(r.token, r.task_id) for r in c.table.history(key)] == [(s1["token"], t1.id)]
+
+
+@pytest.mark.parametrize("results", ["postgresql", "sqlite"])
+def test_a_commit_waiting_on_the_result_database_past_the_ttl_keeps_its_lease(
+    make_cluster: Callable[..., Cluster], tmp_path: Path, results: str
+) -> None:
+    """Leases in Redis: the body has ended, and its commit waits for the result
+    database's lock (a row lock on PostgreSQL; SQLite's one writer, as behind a
+    hundred threads' commits) for three TTLs. The lease is renewed meanwhile, so
+    the commit is accepted when the lock goes: the body ran once, no FENCED, no
+    re-run of work that was done."""
+    if results == "sqlite":
+        results_url = f"sqlite:///{tmp_path / 'results.sqlite3'}"
+        celery_lease.migrate(results_url)
+    else:
+        results_url = None
+    c = make_cluster("redis", results_url=results_url)
+    w = c.worker("a", concurrency=1)
+    c.start(w)
+    key = new_key("slow-commit")
+    engine = create_engine(c.results_url)
+    blocker = engine.connect()
+    lite = (
+        sqlite3.connect(results_url[len("sqlite:///") :], isolation_level=None)
+        if results_url
+        else None
+    )
+    try:
+        t1 = c.tasks.work.apply_async((key,), {"sleep": 1.0, "tag": "owner"})
+        s1 = c.wait_start(t1.id)
+        if lite is not None:
+            lite.execute("BEGIN IMMEDIATE")  # the database's one write lock
+        else:
+            blocker.begin()
+            blocker.execute(
+                text("SELECT 1 FROM celery_lease_fences WHERE resource = :k FOR UPDATE"),
+                {"k": key},
+            ).one()  # the key's fence row, registered before the body
+        # The fault: the body ended and its commit waits on the lock.
+        end = wait_for(lambda: (c.ends(t1.id) or [None])[0], 10, "the body's end")
+        if results == "postgresql":
+            wait_for(
+                lambda: pg_waiting(engine, "%celery_lease_fences%FOR UPDATE%") == 1,
+                10,
+                "the owner's commit to wait on the fence row",
+            )
+        renewed_past_ttl = False
+        while time.time() < end["t"] + 3 * TTL:
+            rec = c.store.inspect(key)
+            # Held by the owner the whole time: never expired, never taken over.
+            assert rec is not None and rec.live and rec.token == s1["token"], rec
+            assert rec.task_id == t1.id
+            renewed_past_ttl = renewed_past_ttl or rec.expires_at > end["t"] + TTL + 0.5
+            assert not t1.ready(), "the commit went through while the lock was held"
+            time.sleep(0.2)
+        assert renewed_past_ttl, "the lease was not renewed while the commit waited"
+    finally:
+        if lite is not None:
+            lite.close()  # rolls the open transaction back
+        blocker.rollback()
+        blocker.close()
+        engine.dispose()
+    value = t1.get(timeout=20)
+    assert value["token"] == s1["token"] and value["pid"] == s1["pid"]
+    assert len(c.starts(t1.id)) == 1 and len(c.ends(t1.id)) == 1
+    assert [(r.token, r.task_id) for r in c.table.history(key)] == [(s1["token"], t1.id)]
+    logs = w.log_text()
+    assert "FENCED" not in logs and "LEASE_LOST" not in logs, logs[-3000:]
+    rec = c.store.inspect(key)
+    assert rec is None or not rec.live, "the commit did not release the lease"
 
 
 # --------------------------------------------------------------------------
