@@ -133,10 +133,10 @@ class _Floor:
         )  # fmt: skip
         token = cursor.fetchone()[0]
         cursor.execute(
-            q.PG_COMMIT_RELEASE_PY,
+            q.PG_COMMIT_PY[True, False, True],  # release, not once, one key
             {"key": key, "token": token, "task_id": task_id, "task_name": "bench.noop",
              "owner_id": task_id, "tenant": None, "root_id": None,
-             "result": json.dumps(result), "keys": [key], "n": 1, "once": False},
+             "result": json.dumps(result)},
         )  # fmt: skip
         cursor.fetchone()
 

@@ -308,7 +308,7 @@ EXPLAINED = [
     ("PREPARE_LOOKUP", "prepare: redelivery / duplicate look-ups", "live"),
     ("SQLITE_PREPARE", "prepare: look-ups", "live"),
     (
-        "PG_COMMIT_COLOCATED",
+        "pg_commit_colocated",
         "commit (same database, one statement): own + release the lease row, insert the result",
         "live",
     ),
@@ -320,9 +320,10 @@ EXPLAINED = [
 ]
 
 
-#: per statement: placeholders filled from other celery_lease/db.py constants, parameters
-FORMATS = {"PG_COMMIT_COLOCATED": {"set": "PG_COMMIT_RELEASE_SET"}}
-PARAMS: dict[str, dict[str, Any]] = {"PG_COMMIT_COLOCATED": {"once": False}}
+#: statements built by a function of celery_lease/db.py: the arguments the per-task path uses
+BUILT: dict[str, dict[str, Any]] = {
+    "pg_commit_colocated": {"release": True, "once": False, "one_key": True}
+}
 
 
 def explain(level: Level) -> str:
@@ -339,6 +340,7 @@ def explain(level: Level) -> str:
         "set": getattr(q, "RESULT_RELEASE_SET", "expires_at = :now"),
         "for_update": "FOR UPDATE",
         "result": "CAST(:result AS jsonb)",
+        "once_guard": "",
     }
     live = "growth-500"
     parts = [
@@ -353,6 +355,8 @@ def explain(level: Level) -> str:
         sql = getattr(q, name, None)
         if sql is None:
             continue
+        if name in BUILT:
+            sql = sql(**BUILT[name])
         key = live if which == "live" else "fresh-explain-key"
         params: dict[str, Any] = {
             "key": key, "k0": key, "ttl": TTL, "token": 1,
@@ -361,9 +365,7 @@ def explain(level: Level) -> str:
             "tenant": None, "once": True, "register": True, "now": time.time(),
             "result": '{"ok": true}', "keys": [key], "n": 1,
         }  # fmt: skip
-        overrides = {f: getattr(q, v, fmt.get(f, "")) for f, v in FORMATS.get(name, {}).items()}
-        params.update(PARAMS.get(name, {}))
-        statement = sql.format(**{**fmt, **overrides})
+        statement = sql if name in BUILT else sql.format(**fmt)
         needed = set(re.findall(r"(?<!:):(\w+)", statement))
         try:
             with engine.connect() as conn:

@@ -952,51 +952,82 @@ ORDER BY fencing_token LIMIT 1
 #: run after the caller holds the key's lock, so its snapshot is fresh. A row
 #: with this key and token already there (a retried commit) is left alone.
 #: No row returned: a duplicate, or this very commit accepted earlier.
+#: ``{once_guard}``: :data:`RESULT_ONCE_GUARD` in once mode, else nothing (two
+#: texts rather than an ``:once`` parameter: see :func:`pg_commit_colocated`).
 RESULT_INSERT = """
 INSERT INTO celery_lease_results
     (lease_key, fencing_token, task_id, task_name, owner_id, tenant, root_id, result, accepted_at)
 SELECT :key, :token, :task_id, :task_name, :owner_id, :tenant, :root_id, {result}, {now}
-WHERE NOT (:once AND EXISTS (SELECT 1 FROM celery_lease_results WHERE lease_key = :key))
+{once_guard}
 ON CONFLICT (lease_key, fencing_token) DO NOTHING
 RETURNING accepted_at
 """
-#: PostgreSQL, leases in this database: check ownership on the lease row (and
-#: release it), and insert the result, in one statement (one round trip). The
-#: duplicate look-up reads the statement's snapshot: only the lease's owner
-#: commits, and every earlier owner's commit preceded this owner's claim.
-PG_COMMIT_COLOCATED = f"""
+RESULT_ONCE_GUARD = "WHERE NOT EXISTS (SELECT 1 FROM celery_lease_results WHERE lease_key = :key)"
+
+
+def pg_commit_colocated(*, release: bool, once: bool, one_key: bool) -> str:
+    """PostgreSQL, leases in this database: check ownership on the lease rows
+    (and release them), and insert the result, in one statement (one round
+    trip). Returns ``owned`` (lease rows still this owner's), ``duplicate``
+    (once mode: the key's accepted token) and ``accepted_at`` (None: nothing
+    written). The duplicate look-up reads the statement's snapshot: only the
+    lease's owner commits, and every earlier owner's commit preceded this
+    owner's claim.
+
+    One text per (release, once, one key) with nothing left for the planner to
+    fold, so that PostgreSQL settles on a generic plan after its first five
+    executions of the prepared statement. One text with ``AND :once`` and
+    ``= ANY(:keys)`` got a custom plan, planned anew, at every execution (the
+    custom plan folds ``:once`` away, so it always looked cheaper): in a loop
+    against a private server 357 µs per commit against 218 µs this way
+    (``pg_prepared_statements``: 8,995 custom plans, 0 generic).
+    """
+    match = "l.lease_key = :key" if one_key else "l.lease_key = ANY(CAST(:keys AS text[]))"
+    owned = "EXISTS (SELECT 1 FROM own)" if one_key else "(SELECT count(*) FROM own) = :n"
+    dup = (
+        "dup AS (\n    SELECT fencing_token FROM celery_lease_results WHERE lease_key = :key\n"
+        "    ORDER BY fencing_token LIMIT 1\n),\n"
+        if once
+        else ""
+    )
+    return f"""
 WITH t AS (SELECT {NOW["postgresql"]} AS now),
 own AS (
-    UPDATE celery_lease_leases AS l SET {{set}}
+    UPDATE celery_lease_leases AS l SET {PG_COMMIT_RELEASE_SET if release else PG_COMMIT_KEEP_SET}
     FROM t
-    WHERE l.lease_key = ANY(CAST(:keys AS text[])) AND l.owner_id = :owner_id
+    WHERE {match} AND l.owner_id = :owner_id
         AND l.fencing_token = :token AND l.expires_at > t.now
     RETURNING l.lease_key
 ),
-dup AS (
-    SELECT fencing_token FROM celery_lease_results WHERE lease_key = :key AND :once
-    ORDER BY fencing_token LIMIT 1
-),
-ins AS (
+{dup}ins AS (
     INSERT INTO celery_lease_results
         (lease_key, fencing_token, task_id, task_name, owner_id, tenant, root_id, result,
          accepted_at)
     SELECT :key, :token, :task_id, :task_name, :owner_id, :tenant, :root_id,
            CAST(:result AS jsonb), t.now
     FROM t
-    WHERE (SELECT count(*) FROM own) = :n AND NOT EXISTS (SELECT 1 FROM dup)
+    WHERE {owned}{" AND NOT EXISTS (SELECT 1 FROM dup)" if once else ""}
     ON CONFLICT (lease_key, fencing_token) DO NOTHING
     RETURNING accepted_at
 )
-SELECT (SELECT count(*) FROM own) AS owned, (SELECT fencing_token FROM dup) AS duplicate,
+SELECT (SELECT count(*) FROM own) AS owned,
+       {"(SELECT fencing_token FROM dup)" if once else "CAST(NULL AS bigint)"} AS duplicate,
        (SELECT accepted_at FROM ins) AS accepted_at
 """
+
+
 PG_COMMIT_RELEASE_SET = "expires_at = t.now, renewed_at = t.now"
 PG_COMMIT_KEEP_SET = "renewed_at = l.renewed_at"
-#: The two forms of PG_COMMIT_COLOCATED (release / keep the lease) and the
-#: registration, converted for :meth:`Database.pg_first` once.
-PG_COMMIT_RELEASE_PY = _pyformat(PG_COMMIT_COLOCATED.format(set=PG_COMMIT_RELEASE_SET))
-PG_COMMIT_KEEP_PY = _pyformat(PG_COMMIT_COLOCATED.format(set=PG_COMMIT_KEEP_SET))
+#: :func:`pg_commit_colocated`'s texts by (release, once, one key), converted
+#: for :meth:`Database.pg_first` once.
+PG_COMMIT_PY = {
+    (release, once, one_key): _pyformat(
+        pg_commit_colocated(release=release, once=once, one_key=one_key)
+    )
+    for release in (True, False)
+    for once in (True, False)
+    for one_key in (True, False)
+}
 PG_RESULT_REGISTER_PY = _pyformat(RESULT_REGISTER.format(now=NOW["postgresql"]))
 RESULT_COLUMNS = """
 lease_key, fencing_token, task_id, task_name, owner_id, tenant, root_id, result, accepted_at

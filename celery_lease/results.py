@@ -180,6 +180,15 @@ class ResultTable:
         from celery_lease.stores.sql import SQLLeaseStore
 
         self.colocated = isinstance(store, SQLLeaseStore) and store.db is self.db
+        #: RESULT_INSERT for this database, by once mode.
+        self._insert_sql = {
+            once: q.RESULT_INSERT.format(
+                result=":result" if self.db.is_sqlite else "CAST(:result AS jsonb)",
+                now=self.db.now_sql,
+                once_guard=q.RESULT_ONCE_GUARD if once else "",
+            )
+            for once in (True, False)
+        }
 
     # -- before the body ---------------------------------------------------
 
@@ -381,12 +390,8 @@ class ResultTable:
         an accepted row for the key, or this very commit was accepted earlier
         (``commit()`` tells the two apart).
         """
-        sql = q.RESULT_INSERT.format(
-            result=":result" if self.db.is_sqlite else "CAST(:result AS jsonb)",
-            now=self.db.now_sql,
-        )
-        params = {**row, "once": once}
-        inserted = conn.commit_after(sql, params) if commit else conn.execute(sql, params)
+        sql = self._insert_sql[once]
+        inserted = conn.commit_after(sql, row) if commit else conn.execute(sql, row)
         accepted_at = inserted.scalar()
         if accepted_at is None:
             duplicate = conn.execute(q.stmt(q.RESULT_DUPLICATE), {"key": row["key"]}).scalar()
@@ -401,9 +406,12 @@ class ResultTable:
     ) -> float:
         once = mode == "once"
         if not self.db.is_sqlite:
-            sql = q.PG_COMMIT_RELEASE_PY if release else q.PG_COMMIT_KEEP_PY
-            params = {**row, "keys": list(lease.keys), "n": len(lease.keys), "once": once}
-            out = self.db.pg_first(sql, params)
+            n = len(lease.keys)
+            if n == 1:
+                out = self.db.pg_first(q.PG_COMMIT_PY[release, once, True], row)
+            else:
+                params = {**row, "keys": list(lease.keys), "n": n}
+                out = self.db.pg_first(q.PG_COMMIT_PY[release, once, False], params)
             if out is None:  # never: the statement selects one row of scalars
                 raise LeaseError("expected exactly one row, the database returned 0")
             owned, duplicate_token, accepted = out

@@ -118,8 +118,8 @@ def test_a_copy_claiming_during_the_commit_sees_the_accepted_row(
     # The owner's commit, held open: the same statements as ResultTable.commit.
     with db.transaction() as conn:
         if kind == "pg+pg":
-            sql = q.PG_COMMIT_COLOCATED.format(set=q.PG_COMMIT_RELEASE_SET)
-            out = conn.execute(sql, {**row, "keys": [lease.key], "n": 1, "once": False}).one()
+            sql = q.pg_commit_colocated(release=True, once=False, one_key=True)
+            out = conn.execute(sql, row).one()
             assert out.owned == 1 and out.accepted_at is not None
         else:
             fence = conn.execute(
@@ -127,8 +127,10 @@ def test_a_copy_claiming_during_the_commit_sees_the_accepted_row(
             ).scalar()
             assert fence == lease.token  # registered at the claim
             assert p.store.release(lease)  # the key is free in the store now...
-            sql = q.RESULT_INSERT.format(result="CAST(:result AS jsonb)", now=db.now_sql)
-            assert conn.execute(sql, {**row, "once": False}).scalar() is not None
+            sql = q.RESULT_INSERT.format(
+                result="CAST(:result AS jsonb)", now=db.now_sql, once_guard=""
+            )
+            assert conn.execute(sql, row).scalar() is not None
         thread.start()
         # ...and the copy is stuck on this transaction's lock, not finished.
         wait_for(lambda: waiting_on_a_lock(p.result_url), 10, "the copy to wait on the lock")
