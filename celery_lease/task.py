@@ -68,7 +68,7 @@ from celery_lease.exceptions import (
 from celery_lease.keys import KeySpec, scoped
 from celery_lease.renewal import HeldLease, renewer
 from celery_lease.results import AcceptedResult, Prepared, ResultTable, encode_result
-from celery_lease.stores.base import LeaseStore, new_owner_id
+from celery_lease.stores.base import LeaseRecord, LeaseStore, new_owner_id
 
 __all__ = ["LeasedTask", "Runtime", "runtime"]
 
@@ -632,7 +632,7 @@ class _Execution:
             self.event(state, token=token, reason="another execution of this task id holds it")
             self.defer(holder.remaining, "a copy of this task id holds the lease", same_task=True)
         taken_over = (newer is not None and token is not None and newer.token > token) or (
-            holder is not None and holder.live
+            holder is not None and holder.live and not self._finished_elsewhere(holder, newer)
         )
         if not taken_over:
             # Nobody newer did or is doing this key's work: redo, never lose it.
@@ -641,6 +641,24 @@ class _Execution:
         self._store_failure(exc)
         self.event(state, token=token, reason=str(exc))
         raise Ignore()
+
+    def _finished_elsewhere(self, holder: LeaseRecord, newer: AcceptedResult | None) -> bool:
+        """True if ``holder`` is a late copy of a task whose result was accepted.
+
+        Such a copy holds the key only until its look-up rejects it: it will not
+        do this key's work, so it has not taken over (seen in a chaos run: a
+        redelivered copy of the key's last task claimed the key that this
+        execution's lease left when the store stalled past the TTL, and this
+        task ended FAILURE with nobody left to do its work).
+        """
+        if holder.task_id is None:
+            return False
+        if newer is not None and newer.task_id == holder.task_id:
+            return True
+        try:
+            return self.rt.results.for_task(holder.task_id) is not None
+        except StoreUnavailable:
+            return False  # cannot tell: a live holder counts as taking over
 
     def duplicate(self, exc: DuplicateResult) -> NoReturn:
         metrics.claims.labels("duplicate").inc()
