@@ -123,12 +123,14 @@ def test_store_down_at_claim_defers_and_completes_after_restart(
     assert c.rows("start", res.id) == [], "the body ran without a lease"
     assert c.backend_state(res.id)[0] in ("PENDING", "RECEIVED"), "no final state while deferred"
 
+    # Taken before the restart: the store answers as soon as start() has it
+    # listening, and a worker's claim can beat the line after start() returns.
+    restarting_at = time.time()
     store.start()
-    up_at = time.time()
     value = res.get(timeout=40)
-    _no_start_between(c, down_at, up_at)
+    _no_start_between(c, down_at, restarting_at)
     starts = c.rows("start", res.id)
-    assert len(starts) == 1 and starts[0]["t"] > up_at
+    assert len(starts) == 1 and starts[0]["t"] > restarting_at
     accepted = c.table.accepted(key)
     assert accepted is not None and accepted.task_id == res.id
     assert accepted.token == value["token"] == starts[0]["token"]
@@ -173,14 +175,14 @@ def test_store_down_past_the_ttl_during_the_body_loses_the_lease(
     for t, key in ((checked, k_checked), (work, k_work)):
         assert c.table.get(key, first[t.id]["token"]) is None, "accepted with the lost lease"
 
+    restarting_at = time.time()  # before: a claim can beat the line after start()
     store.start()
-    up_at = time.time()
-    _no_start_between(c, down_at, up_at)
+    _no_start_between(c, down_at, restarting_at)
     for t, key in ((checked, k_checked), (work, k_work)):
         value = t.get(timeout=60)
         starts = c.rows("start", t.id)
         assert len(starts) == 2, starts  # the first run, and the redo after the restart
-        assert starts[1]["t"] > up_at
+        assert starts[1]["t"] > restarting_at
         old, new = first[t.id]["token"], starts[1]["token"]
         assert new > old and value["token"] == new
         accepted = c.table.accepted(key)
