@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import benchapp
-from benchmarks.common import ROOT, Env, log
+from benchmarks.common import ROOT, CpuSampler, Env, log
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,11 @@ class RunResult:
     drain_seconds: float
     times: list[tuple[float, int]]
     error: str | None = None
+    #: CPU ms per task from the first to the last completion, by process group
+    #: (``worker``: the worker and its pool processes, ``worker main``: its main
+    #: process alone; ``PostgreSQL``; ``Redis``:
+    #: broker and store; ``machine``: every process; ``iowait``); None if unknown
+    cpu: dict[str, float] | None = None
 
 
 class WorkerRun:
@@ -318,8 +323,15 @@ def drain(targets: Targets, kind: Kind, pool: str, n: int, **kwargs: Any) -> Run
         t0 = time.monotonic()
         enq = run.enqueue(n)
         t1 = time.monotonic()
-        run.start()
-        error = run.wait(n, timeout=max(90.0, n / 20))
+        sampler = CpuSampler(targets.env.server_groups()).start()
+        try:
+            run.start()
+            assert run.proc is not None
+            sampler.watch("worker", run.proc.pid)  # its own session: pgid = pid
+            sampler.watch_alone("worker main", run.proc.pid)
+            error = run.wait(n, timeout=max(90.0, n / 20))
+        finally:
+            sampler.stop()
         t2 = time.monotonic()
         run.stop()
         log(
@@ -334,6 +346,11 @@ def drain(targets: Targets, kind: Kind, pool: str, n: int, **kwargs: Any) -> Run
             rate = (len(times) - 1) / span
         else:
             span, rate = float("nan"), float("nan")
-        return RunResult(n, len(times), rate, enq, span, times, error)
+        cpu = None
+        if rate == rate:
+            spent = sampler.between(times[0][0], times[-1][0])
+            if spent is not None:
+                cpu = {name: s * 1000 / (len(times) - 1) for name, s in spent.items()}
+        return RunResult(n, len(times), rate, enq, span, times, error, cpu)
     finally:
         run.cleanup()

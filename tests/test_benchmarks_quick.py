@@ -61,3 +61,12 @@ def test_quick_benchmarks_write_every_table(tmp_path: Path) -> None:
     for fact in ("| nproc |", "| CPU |", "| python |", "| celery |", "| Redis server |",
                  "| PostgreSQL server |", "Command: `"):  # fmt: skip
         assert fact in text, f"machine facts: missing {fact!r}"
+    # the per-task section's CPU table attributes the drain's CPU to the worker
+    per_task = text.split("## 2. Per task through a real worker", 1)[1].split("\n## ", 1)[0]
+    assert "**CPU per task (ms)" in per_task, "per task: missing the CPU table"
+    cpu_table = per_task.split("**CPU per task (ms)", 1)[1]
+    plain = next(
+        line for line in cpu_table.splitlines() if line.startswith("| solo | plain `@app.task` |")
+    )
+    worker_ms = float(plain.split("|")[3])
+    assert worker_ms > 0, f"the plain worker's CPU per task was not measured: {plain}"
