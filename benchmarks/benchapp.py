@@ -88,6 +88,8 @@ class _Floor:
         self.lookup_first = environ.get("BENCH_FLOOR_LOOKUP") == "1"
         self.writes = int(environ.get("BENCH_FLOOR_WRITES", "1"))
         self.protocol = environ.get("BENCH_FLOOR_PROTOCOL") == "1"
+        self.redis_url = environ.get("BENCH_FLOOR_REDIS")
+        self.redis: Any = None
         mark = "%s" if self.pg else "?"
         self.insert = (
             f"INSERT INTO bench_floor_results (task_id, result) VALUES ({mark}, {mark}) "
@@ -107,6 +109,19 @@ class _Floor:
                 self.cursor = floor_sqlite_connect(str(self.sqlite)).cursor()
             self.pid = os.getpid()
         return self.cursor
+
+    def redis_hop(self, task_id: str, claim: bool) -> None:
+        """One Redis round trip: ``SET NX PX`` (a claim) or ``DEL`` (a release)."""
+        if self.redis is None or self.pid != os.getpid():
+            import redis
+
+            self._cursor()  # (re)opens the SQL connection and records the pid
+            self.redis = redis.Redis.from_url(str(self.redis_url))
+        key = f"floor-{task_id}"
+        if claim:
+            self.redis.set(key, task_id, nx=True, px=30000)
+        else:
+            self.redis.delete(key)
 
     def lookup(self, task_id: str) -> Any:
         cursor = self._cursor()
@@ -247,7 +262,14 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, Any]:
             if floor.protocol:
                 floor.claim_and_commit(self.request.id, result)
                 return result
-            if floor.lookup_first:
+            if floor.redis_url:
+                # DESIGN.md's Redis + SQL order: claim in Redis; register and look up;
+                # at the commit, lock the fence row, check and release in Redis, write
+                floor.redis_hop(self.request.id, claim=True)
+                floor.lookup(self.request.id)
+                floor.lookup(self.request.id)
+                floor.redis_hop(self.request.id, claim=False)
+            elif floor.lookup_first:
                 floor.lookup(self.request.id)
             floor.write(self.request.id, result)
             return result

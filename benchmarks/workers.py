@@ -34,6 +34,7 @@ class Kind:
     lookup: bool = False  # floor: one more round trip (a SELECT by task id) before the body
     writes: int = 1  # floor: committed writes per task
     protocol: bool = False  # floor: celery-lease's own PostgreSQL statements, sent raw
+    redis_hops: bool = False  # floor: DESIGN.md's Redis + PostgreSQL order, trivial commands
 
 
 KINDS = [
@@ -74,6 +75,10 @@ FLOORS = [
     Kind("floor-pg-protocol", "floor: plain + celery-lease's two PostgreSQL statements "
          "(claim-and-look-up, commit-and-release) sent with raw psycopg, no celery-lease "
          "code (reference, not a target)", "floor", results="pg", protocol=True),
+    Kind("floor-redis-pg-5rt", "floor: plain + Redis `SET NX PX`, two PostgreSQL `SELECT`s "
+         "by task id, Redis `DEL`, the PostgreSQL `INSERT` (5 round trips in the order of "
+         "DESIGN.md's Redis + PostgreSQL protocol; reference, not a target)", "floor",
+         results="pg", lookup=True, redis_hops=True),
 ]  # fmt: skip
 
 
@@ -145,6 +150,8 @@ class Targets:
                 v["BENCH_FLOOR_LOOKUP"] = "1"
             if k.writes != 1:
                 v["BENCH_FLOOR_WRITES"] = str(k.writes)
+            if k.redis_hops:
+                v["BENCH_FLOOR_REDIS"] = self.env.store_url(self.db)
             if k.protocol:
                 # celery-lease's tables and functions: the PG+PG LeasedTask's database
                 assert self.pg_both is not None
