@@ -548,8 +548,9 @@ class _Execution:
             return True
         return not _broker_marks_redeliveries(self.app)
 
-    def _ended_with_a_lease_outcome(self) -> bool:
-        """True if this task id's backend state is a FAILURE celery-lease decided."""
+    def _ended_with_a_lease_outcome(self, task_id: str | None = None) -> bool:
+        """True if the backend state of ``task_id`` (default: this task's) is a
+        FAILURE celery-lease decided."""
         backend = self.task.backend
         if self._ignore_result() or isinstance(backend, DisabledBackend):
             return False
@@ -559,7 +560,7 @@ class _Execution:
             *getattr(backend, "channel_errors", ()),
         )
         try:
-            meta = backend.get_task_meta(self.task_id, cache=False)
+            meta = backend.get_task_meta(task_id or self.task_id, cache=False)
         except errors:
             return False  # cannot tell: run (the commit is fenced anyway)
         return meta.get("status") == FAILURE and isinstance(meta.get("result"), LeaseError)
@@ -643,22 +644,26 @@ class _Execution:
         raise Ignore()
 
     def _finished_elsewhere(self, holder: LeaseRecord, newer: AcceptedResult | None) -> bool:
-        """True if ``holder`` is a late copy of a task whose result was accepted.
+        """True if ``holder`` is a late copy of a task that already ended.
 
-        Such a copy holds the key only until its look-up rejects it: it will not
-        do this key's work, so it has not taken over (seen in a chaos run: a
-        redelivered copy of the key's last task claimed the key that this
-        execution's lease left when the store stalled past the TTL, and this
-        task ended FAILURE with nobody left to do its work).
+        Such a copy holds the key only until its :meth:`prepare` rejects it:
+        the same two checks, here on the holder's task id (its result was
+        accepted, or its backend state is a FAILURE celery-lease decided). It
+        will not do this key's work, so it has not taken over (seen in a chaos
+        run: a redelivered copy of the key's last task claimed the key that
+        this execution's lease left when the store stalled past the TTL, and
+        this task ended FAILURE with nobody left to do its work).
         """
         if holder.task_id is None:
             return False
         if newer is not None and newer.task_id == holder.task_id:
             return True
         try:
-            return self.rt.results.for_task(holder.task_id) is not None
+            if self.rt.results.for_task(holder.task_id) is not None:
+                return True
         except StoreUnavailable:
-            return False  # cannot tell: a live holder counts as taking over
+            pass  # the result database cannot tell: the backend still may
+        return self._ended_with_a_lease_outcome(holder.task_id)
 
     def duplicate(self, exc: DuplicateResult) -> NoReturn:
         metrics.claims.labels("duplicate").inc()

@@ -526,23 +526,39 @@ def test_redelivery_during_the_owners_commit_is_not_executed(
     assert [(r.token, r.task_id) for r in c.table.history(key)] == [(s1["token"], t1.id)]
 
 
+@pytest.mark.parametrize("t0_ended", ["accepted", "fenced"])
 def test_a_fenced_task_is_requeued_when_a_late_copy_of_a_finished_task_holds_its_key(
-    make_cluster: Callable[..., Cluster],
+    make_cluster: Callable[..., Cluster], t0_ended: str
 ) -> None:
     """T1's lease lapsed (its worker paused past the TTL) and a late copy of T0,
-    whose result is already accepted, claimed the key meanwhile. T1's commit is
-    refused; the copy's look-up will reject it and it will release the key, so
-    nobody newer does the key's work: T1 is re-queued and runs again, not
-    failed (chaos, seed 11: T1 ended FAILURE StaleFencingToken with no newer
-    result for its key). The test claims and registers the copy's lease as the
-    copy's own claim does before its look-up."""
+    a task that already ended, claimed the key meanwhile. T1's commit is
+    refused; the copy's look-up will reject it (``prepare``: T0's result is
+    accepted, or T0 ended FAILURE with a lease outcome) and it will release the
+    key, so nobody newer does the key's work: T1 is re-queued and runs again,
+    not failed (chaos, seed 11, the accepted case: T1 ended FAILURE
+    StaleFencingToken with no newer result for its key). The test claims and
+    registers the copy's lease as the copy's own claim does before its look-up.
+
+    ``fenced``: T0 ended FENCED before any result of it was accepted; its
+    backend state is written as the worker's ``not_done`` writes it
+    (``mark_as_failure`` with ``StaleFencingToken``), the real backend."""
     c = make_cluster("redis")
     a = c.worker("a", queue="qa")
     c.start(a)
     task = c.tasks.work
     key = new_key("late-copy")
-    t0 = task.apply_async((key,), {"sleep": 0.1, "tag": "T0"}, queue="qa")
-    v0 = t0.get(timeout=20)
+    history: list[tuple[int, str]] = []
+    if t0_ended == "accepted":
+        t0 = task.apply_async((key,), {"sleep": 0.1, "tag": "T0"}, queue="qa")
+        v0 = t0.get(timeout=20)
+        t0_id = t0.id
+        history.append((v0["token"], t0_id))
+    else:
+        t0_id = str(uuid.uuid4())
+        c.app.backend.mark_as_failure(
+            t0_id, StaleFencingToken(key, 1, 2, "a newer owner committed first")
+        )
+        assert c.app.AsyncResult(t0_id).state == "FAILURE"
 
     t1 = task.apply_async((key,), {"sleep": 2.0, "tag": "T1"}, queue="qa")
     s1 = c.wait_start(t1.id)
@@ -552,7 +568,7 @@ def test_a_fenced_task_is_requeued_when_a_late_copy_of_a_finished_task_holds_its
     assert expired.token == s1["token"] and _state(s1["pid"]) == "T"
 
     late = c.store.claim(
-        key, ttl=10.0, owner_id="late-copy-of-t0", meta={"task_id": t0.id, "task_name": task.name}
+        key, ttl=10.0, owner_id="late-copy-of-t0", meta={"task_id": t0_id, "task_name": task.name}
     )
     assert late is not None and late.token > s1["token"]
     c.table.register(late)
@@ -561,19 +577,16 @@ def test_a_fenced_task_is_requeued_when_a_late_copy_of_a_finished_task_holds_its
     wait_for(in_log(a, f"FENCED {t1.id}"), 20, "T1's commit to be refused")
     # The copy held the key before and after T1 decided: T1 saw it live.
     holder = c.store.inspect(key)
-    assert holder is not None and holder.live and holder.task_id == t0.id, holder
+    assert holder is not None and holder.live and holder.task_id == t0_id, holder
     # (A FAILURE is written before the FENCED event, so it would be there by now.)
     assert backend_state(c, t1.id)[0] != "FAILURE", "T1 failed with nobody left to do its work"
 
-    assert c.store.release(late)  # the copy's look-up found T0 accepted: it lets go
+    assert c.store.release(late)  # the copy's look-up rejected it: it lets go
     v1 = t1.get(timeout=40)
     assert v1["token"] > late.token
     assert len(c.starts(t1.id)) == 2
     assert backend_state(c, t1.id) == ("SUCCESS", v1)
-    assert [(r.token, r.task_id) for r in c.table.history(key)] == [
-        (v1["token"], t1.id),
-        (v0["token"], t0.id),
-    ]
+    assert [(r.token, r.task_id) for r in c.table.history(key)] == [(v1["token"], t1.id), *history]
 
 
 @pytest.mark.parametrize("results", ["postgresql", "sqlite"])
