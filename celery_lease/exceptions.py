@@ -2,7 +2,7 @@
 
 Driver errors (redis-py, SQLAlchemy/psycopg, sqlite3) are translated at the
 store boundary into :class:`StoreUnavailable` (transient: the caller may retry
-within the lease's validity) so no caller ever needs ``except Exception``.
+within the lease's validity) so no caller ever needs a catch-all handler.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ unit of work: at most one accepted row per key, every later commit raises
 :class:`DuplicateResult` (a stale token is reported first, as
 :class:`StaleFencingToken`).
 
-Results are JSON only (no pickle anywhere) and size-limited; a value that
+Results are JSON only (never a Python-object serializer) and size-limited; a value that
 cannot be stored fails before anything is written.
 """
 

@@ -854,7 +854,10 @@ def _broker_marks_redeliveries(app: Any) -> bool:
                 known = getattr(conn.transport, "driver_type", None) in ("redis", "amqp")
             finally:
                 conn.release()
-        except Exception:  # noqa: BLE001 - cannot tell: check every copy
+        except (ImportError, LookupError, ValueError, AttributeError):
+            # What kombu raises resolving a transport it cannot build here (an
+            # unknown alias, a missing library, a bad URL): cannot tell, so
+            # check every copy.
             known = False
         app._celery_lease_marks_redeliveries = known
     return known

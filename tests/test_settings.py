@@ -466,3 +466,29 @@ def test_reserved_tenant_prefix() -> None:
         scoped("t/x", None)
     with pytest.raises(LeaseConfigError, match=r"a tenant is a non-empty string, got ''"):
         scoped("k", "")
+
+
+@pytest.mark.parametrize(
+    ("broker", "marks"),
+    [
+        ("redis://127.0.0.1:1/0", True),
+        ("amqp://guest:guest@127.0.0.1:1//", True),
+        ("filesystem://", False),  # requeues without the redelivered flag
+        ("memory://", False),
+        ("nosuchtransport://x", False),  # kombu: KeyError, no such transport
+        ("sqs://", False),  # kombu: ImportError without boto3 (or a non-marking transport)
+    ],
+)
+def test_which_brokers_mark_redeliveries(broker: str, marks: bool) -> None:
+    """A first delivery skips the result-backend read only on transports that
+    flag redelivered messages; a transport kombu cannot build here (unknown
+    alias, missing library) counts as not flagging them (every copy is
+    checked), and neither raises at task start. Nothing connects: resolving
+    the transport class is all it takes."""
+    from celery_lease.task import _broker_marks_redeliveries
+
+    app = Celery("marks", broker=broker, set_as_current=False)
+    try:
+        assert _broker_marks_redeliveries(app) is marks
+    finally:
+        app.close()

@@ -302,6 +302,7 @@ class EtcdLeaseStore(LeaseStore):
         # granted again, with a new token, if unchanged since read: {key: mod_revision}.
         own: dict[str, int] = {}
         superseded: set[int] = set()
+        claimed: Lease | None = None
         try:
             for _ in range(3):
                 compare = [
@@ -326,19 +327,21 @@ class EtcdLeaseStore(LeaseStore):
                     for old in superseded - {lease_id}:
                         self._revoke(old)
                     token = int(reply["header"]["revision"])
-                    return Lease(
+                    claimed = Lease(
                         primary, keys, owner_id, token, acquired + granted, acquired,
                         float(granted), meta,
                     )  # fmt: skip
+                    return claimed
                 held = {k: kv for k, kv in zip(keys, _ranges(reply)) if kv is not None}
                 if any(kv.owner != owner_id for kv in held.values()):
                     break
                 own = {k: kv.mod_revision for k, kv in held.items()}
                 superseded = {kv.lease for kv in held.values() if kv.lease}
-        except BaseException:
-            self._revoke(lease_id)  # an ambiguous grant must not block the retry
-            raise
-        self._revoke(lease_id)
+        finally:
+            if claimed is None:
+                # Not granted, or an error after an ambiguous grant (raised on):
+                # the etcd lease must not block the retry.
+                self._revoke(lease_id)
         return None
 
     # -- renew / release -----------------------------------------------------
@@ -391,12 +394,11 @@ class EtcdLeaseStore(LeaseStore):
             }
             for k in lease.keys
         ]
+        moved: bool | None = None
         try:
             moved = bool(self._txn(compare, success, []).get("succeeded"))
-        except BaseException:
-            self._revoke(new_id)
-            raise
-        self._revoke(old_id if moved else new_id)
+        finally:
+            self._revoke(old_id if moved else new_id)  # on an error (raised on): the new one
         return sent + granted if moved else None
 
     def do_release(self, lease: Lease) -> bool:
