@@ -560,7 +560,7 @@ class _Execution:
             *getattr(backend, "channel_errors", ()),
         )
         try:
-            meta = backend.get_task_meta(task_id or self.task_id, cache=False)
+            meta = backend.get_task_meta(self.task_id if task_id is None else task_id, cache=False)
         except errors:
             return False  # cannot tell: run (the commit is fenced anyway)
         return meta.get("status") == FAILURE and isinstance(meta.get("result"), LeaseError)
