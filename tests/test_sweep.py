@@ -176,12 +176,19 @@ def test_sweeping_results_bounds_the_once_window(sql: SQL) -> None:
     key = new_key("once")
     first = store.claim(key, ttl=LONG_TTL)
     assert first is not None
-    table.commit(first, "first", mode="once")
+    accepted_first = table.commit(first, "first", mode="once")
     dup = store.claim(key, ttl=LONG_TTL)
     assert dup is not None
     with pytest.raises(DuplicateResult):
         table.commit(dup, "dup", mode="once")
-    table.sweep(result_expires=0, lease_grace=3600)
+    # "Older than 0 s" needs the store's clock past the acceptance: on SQLite
+    # (millisecond steps) a fast machine swept within the same millisecond.
+    wait_for(
+        lambda: store.time() > accepted_first.accepted_at,
+        10,
+        "the store's clock to pass the acceptance",
+    )
+    assert table.sweep(result_expires=0, lease_grace=3600)["results"] == 1
     later = store.claim(key, ttl=LONG_TTL)
     assert later is not None and later.token > dup.token
     accepted = table.commit(later, "after retention", mode="once")
