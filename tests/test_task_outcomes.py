@@ -19,6 +19,8 @@ outcome; waits poll against deadlines.
    task id never spend the budget either.
 4. ``task.accepted()`` needs only the arguments the key template names, or
    ``key=``.
+5. A lost lease's event waits for the broker in a thread of its own: with the
+   broker frozen, the renewal thread goes on renewing the process's other leases.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def cluster(
             ttl=TTL,
             settings=settings,
         )
+        c.broker_server = broker  # type: ignore[attr-defined]
         arm_dir = tmp_path / "armed"
         arm_dir.mkdir(exist_ok=True)
         c.env["CL_ARM_DIR"] = str(arm_dir)
@@ -281,3 +284,45 @@ def test_accepted_binds_only_the_arguments_the_key_names(
     assert c.tasks.suite.accepted(api_id=api_id + 1) is None
     with pytest.raises(celery_lease.LeaseConfigError, match="needs argument 'api_id'"):
         c.tasks.suite.accepted(work_s=1.0)
+
+
+# --------------------------------------------------------------------------
+# 5. a frozen broker does not stall the renewal thread
+# --------------------------------------------------------------------------
+
+
+def test_a_frozen_broker_never_stalls_the_renewal_of_other_leases(
+    cluster: Callable[..., tuple[Cluster, RedisServer]],
+) -> None:
+    c, _ = cluster(separate_store=True)
+    broker: RedisServer = c.broker_server  # type: ignore[attr-defined]
+    w = Worker("t", c.env, c.logdir, app=APP, pool="threads", concurrency=2)
+    c.workers.append(w)
+    w.start()
+    x_key, y_key = _key("lost"), _key("kept")
+    x = c.tasks.work.delay(x_key, sleep=30.0, tag="x")
+    y = c.tasks.work.delay(y_key, sleep=30.0, tag="y")
+    sx = wait_for(lambda: c.rows("start", x.id) or None, 20, "X's start")[0]
+    wait_for(lambda: c.rows("start", y.id) or None, 20, "Y's start")
+    broker.pause()
+    try:
+        wait_for(lambda: _state(broker.pid) == "T", 10, "the broker to freeze")
+        # X's lease is taken away: its next renewal answers "lost", and the
+        # LEASE_LOST event for it must go to the frozen broker.
+        evicted = c.store.evict(x_key)
+        assert evicted is not None and evicted.token == sx["token"]
+        wait_for(lambda: "lease lost" in w.log_text(), 10, "X's lease to be declared lost")
+        first = c.store.inspect(y_key)
+        assert first is not None and first.live
+        # Y's lease goes on being renewed (every TTL / 3) while the broker stays frozen.
+        renewed = wait_for(
+            lambda: (
+                lambda r: r if r is not None and r.expires_at > first.expires_at + 1.0 else None
+            )(c.store.inspect(y_key)),
+            10,
+            "two more renewals of Y with the broker frozen",
+        )
+        assert renewed.live and renewed.token == first.token
+        assert _state(broker.pid) == "T"
+    finally:
+        broker.resume()
