@@ -71,7 +71,7 @@ SETTINGS: dict[str, tuple[Any, str]] = {
         "seconds to keep accepted results before `lease sweep` deletes them (default: keep)",
     ),
     "lease_result_max_bytes": (1024 * 1024, "largest JSON result accepted, in bytes"),
-    "lease_defer_max": (100, "deferrals of one task before it is rejected"),
+    "lease_defer_max": (100, "deferrals behind other tasks' leases before a task is rejected"),
     "lease_wait_timeout": (30.0, "wait policy: seconds to poll before deferring"),
     "lease_store_retry": (
         5.0,

@@ -14,6 +14,9 @@ as ready, and ``AsyncResult.get()`` would block on them.
 from __future__ import annotations
 
 import logging
+import os
+import queue
+import threading
 from typing import TYPE_CHECKING, Any
 
 from kombu.exceptions import KombuError
@@ -21,7 +24,15 @@ from kombu.exceptions import KombuError
 if TYPE_CHECKING:
     from celery import Celery
 
-__all__ = ["FENCED", "LEASE_DEFERRED", "LEASE_LOST", "LEASE_REJECTED", "STATES", "send"]
+__all__ = [
+    "FENCED",
+    "LEASE_DEFERRED",
+    "LEASE_LOST",
+    "LEASE_REJECTED",
+    "STATES",
+    "send",
+    "send_later",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +65,40 @@ def send(app: Celery, state: str, *, task_id: str, hostname: str | None, **field
             e,
             extra={"action": "event_failed", "task_id": task_id},
         )
+
+
+class _Sender:
+    """One thread per process that publishes events handed over by :func:`send_later`."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.queue: queue.SimpleQueue[tuple[Celery, str, str, str | None, dict[str, Any]]] = (
+            queue.SimpleQueue()
+        )
+        self.thread = threading.Thread(target=self._run, name="celery-lease-events", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            app, state, task_id, hostname, fields = self.queue.get()
+            send(app, state, task_id=task_id, hostname=hostname, **fields)
+
+
+_sender: _Sender | None = None
+_sender_lock = threading.Lock()
+
+
+def send_later(
+    app: Celery, state: str, *, task_id: str, hostname: str | None, **fields: Any
+) -> None:
+    """:func:`send`, from a thread of its own: for the renewal thread, which
+    must not wait for a slow broker while every lease of the process is due."""
+    global _sender
+    with _sender_lock:
+        if _sender is None or _sender.pid != os.getpid():
+            _sender = _Sender()  # threads do not survive fork
+        sender = _sender
+    sender.queue.put((app, state, task_id, hostname, fields))
 
 
 def broker_errors(app: Celery) -> tuple[type[BaseException], ...]:

@@ -166,18 +166,7 @@ class KeySpec:
             found = [produced] if isinstance(produced, str) else list(produced)
         elif isinstance(template, str):
             arguments = {name: _ordered(v) for name, v in self.bind(args, kwargs).items()}
-            try:
-                found = [template.format_map(arguments)]
-            except KeyError as e:
-                raise LeaseConfigError(
-                    f"task {self.task_name!r}: lease_key {template!r} names argument "
-                    f"{e.args[0]!r}, which this call did not pass"
-                ) from e
-            except (AttributeError, IndexError, ValueError) as e:
-                raise LeaseConfigError(
-                    f"task {self.task_name!r}: lease_key {template!r} cannot be formatted "
-                    f"from this call's arguments: {e}"
-                ) from e
+            return self._format(template, arguments)
         else:
             arguments = self.bind(args, kwargs)
             try:
@@ -188,11 +177,91 @@ class KeySpec:
                     f"JSON, and these are not JSON ({e}); give the task a lease_key"
                 ) from e
             found = [f"{self.task_name}:{hashlib.sha256(blob.encode()).hexdigest()}"]
+        return self._checked(found)
+
+    def _format(self, template: str, arguments: Mapping[str, Any]) -> list[str]:
+        try:
+            return self._checked([template.format_map(arguments)])
+        except KeyError as e:
+            raise LeaseConfigError(
+                f"task {self.task_name!r}: lease_key {template!r} names argument "
+                f"{e.args[0]!r}, which this call did not pass"
+            ) from e
+        except (AttributeError, IndexError, ValueError) as e:
+            raise LeaseConfigError(
+                f"task {self.task_name!r}: lease_key {template!r} cannot be formatted "
+                f"from this call's arguments: {e}"
+            ) from e
+
+    def _checked(self, found: list[Any]) -> list[str]:
         if not found or not all(isinstance(k, str) and k for k in found):
             raise LeaseConfigError(
                 f"task {self.task_name!r}: lease_key produced {found!r}; keys are non-empty strings"
             )
         return [shorten(k) for k in found]
+
+    def keys_for_lookup(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[str]:
+        """The keys a call with (only) these arguments would lease, for reading results.
+
+        A template needs only the arguments it names and a callable only its own
+        parameters; the rest of the task's signature may be left out. The
+        default key hashes *every* argument, so it still needs them all.
+        """
+        template = self.template
+        if template is None:
+            try:
+                return self.keys(args, kwargs)
+            except LeaseConfigError as e:
+                raise LeaseConfigError(
+                    f"{e}; the default lease key hashes all of the task's arguments, so "
+                    "reading its result needs them all (or pass key=...)"
+                ) from e
+        if callable(template):
+            return self.keys(*_fit(template, args, kwargs))
+        named = self._named(args, kwargs)
+        missing = [f for f in dict.fromkeys(self.fields) if f not in named]
+        if missing:
+            raise LeaseConfigError(
+                f"task {self.task_name!r}: lease_key {template!r} needs argument "
+                f"{missing[0]!r} to find the key (or pass key=...)"
+            )
+        return self._format(template, {f: _ordered(named[f]) for f in self.fields})
+
+    def _named(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """Positional and keyword arguments by parameter name, defaults filled in."""
+        if self.signature is None:
+            return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
+        params = list(self.signature.parameters.values())
+        positional = [p.name for p in params if p.kind in _POSITIONAL]
+        if len(args) > len(positional):
+            raise LeaseConfigError(
+                f"task {self.task_name!r}: {len(args)} positional arguments given, the task "
+                f"takes {len(positional)}"
+            )
+        named: dict[str, Any] = dict(zip(positional, args))
+        named.update(kwargs)
+        for p in params:
+            if p.name not in named and p.default is not inspect.Parameter.empty:
+                named[p.name] = p.default
+        return named
+
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _fit(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` cut down to what ``func`` accepts (a key callable that
+    names only some of the task's parameters)."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return tuple(args), dict(kwargs)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return tuple(args), dict(kwargs)
+    names = {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    return tuple(args), {k: v for k, v in kwargs.items() if k in names}
 
 
 class _SortedSet(frozenset):  # type: ignore[type-arg]

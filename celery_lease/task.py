@@ -44,7 +44,7 @@ from typing import Any, ClassVar, NoReturn
 from celery import Task
 from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Reject, Retry
-from celery.states import FAILURE, STARTED
+from celery.states import FAILURE, STARTED, SUCCESS
 
 from celery_lease import events, metrics
 from celery_lease.config import (
@@ -245,10 +245,28 @@ class LeasedTask(Task):  # type: ignore[misc]
     # -- reading results -------------------------------------------------------
 
     def accepted(self, *args: Any, **kwargs: Any) -> AcceptedResult | None:
-        """The accepted result for the key of a call with these arguments, or None."""
-        keys = self.lease_keys_for(args, kwargs)
-        tenant = self.lease_tenant_for(args, kwargs)
-        return runtime(self.app).results.accepted(scoped(keys[0], tenant), tenant)
+        """The accepted result for the key of a call with these arguments, or None.
+
+        Only the arguments the key needs are required: a template's fields, a
+        callable's own parameters (the default key, a hash of every argument,
+        needs them all). ``accepted(key="...")`` reads one key directly (with
+        ``tenant="..."`` for a tenant-scoped task), unless the task's templates
+        name an argument ``key`` themselves.
+        """
+        spec = self._spec()
+        tenant_spec = type(self)._lease_tenantspec
+        fields = set(spec.fields) | set(tenant_spec.fields if tenant_spec else ())
+        if (
+            not args
+            and "key" in kwargs
+            and "key" not in fields
+            and set(kwargs) <= {"key", "tenant"}
+        ):
+            key, tenant = kwargs["key"], kwargs.get("tenant")
+        else:
+            key = spec.keys_for_lookup(args, kwargs)[0]
+            tenant = tenant_spec.keys_for_lookup(args, kwargs)[0] if tenant_spec else None
+        return runtime(self.app).results.accepted(scoped(key, tenant), tenant)
 
     @property
     def lease(self) -> HeldLease | None:
@@ -380,8 +398,14 @@ class _Execution:
                 metrics.stale_commits.inc()
                 self.not_done(e, events.FENCED)
             except Retry:
+                held.detach()
+                self._unless_overtaken(held)
                 self.release()  # the retry claims again, with a newer token
                 finished = True
+                raise
+            except Exception:  # the body's own error, re-raised for Celery to store
+                held.detach()
+                self._unless_overtaken(held)
                 raise
             if not held.held and held.lost_reason is None:
                 # The local view ran out while the body ran (a pause): say so
@@ -436,7 +460,9 @@ class _Execution:
                     delay = min(delay * 2, 1.0)
                     continue
                 metrics.claims.labels("store_unavailable").inc()
-                self.defer(self._default_countdown(), f"lease store unavailable: {e}")
+                self.defer(
+                    self._default_countdown(), f"lease store unavailable: {e}", counted=False
+                )
             metrics.claim_latency.observe(time.perf_counter() - started)
             if lease is not None:
                 metrics.claims.labels("granted").inc()
@@ -465,7 +491,7 @@ class _Execution:
             if holder is not None and holder.task_id == self.task_id:
                 # A redelivered copy of this very task met its live owner: defer,
                 # never drop (acking it would ack the owner's message too).
-                self.defer(remaining, "a copy of this task id holds the lease", same_task=True)
+                self.defer(remaining, "a copy of this task id holds the lease", counted=False)
             policy = self.opts.on_conflict
             if policy == "reject":
                 metrics.claims.labels("rejected").inc()
@@ -503,16 +529,27 @@ class _Execution:
                 )
             except StaleFencingToken:
                 self.release()
-                self.defer(self._default_countdown(), "a newer owner claimed before the body")
+                self.defer(
+                    self._default_countdown(),
+                    "a newer owner claimed before the body",
+                    counted=False,
+                )
             except StoreUnavailable as e:
                 if time.monotonic() + 0.5 < deadline:
                     time.sleep(0.2)
                     continue
                 self.release()
-                self.defer(self._default_countdown(), f"result database unavailable: {e}")
+                self.defer(
+                    self._default_countdown(), f"result database unavailable: {e}", counted=False
+                )
         if prepared.task_token is not None:
             # A late redelivery of a task whose result was accepted: never run it
-            # again, never touch the backend state its own execution wrote.
+            # again. The execution that committed may have died before Celery
+            # stored SUCCESS (SIGKILL, OOM kill, a hard time limit; or a commit
+            # whose reply was lost, re-published as "outcome unknown"): then the
+            # backend would say PENDING forever. Make it say what the table says,
+            # while this copy still holds the lease.
+            self._store_accepted(prepared.task_token)
             self.release()
             metrics.claims.labels("redelivery").inc()
             self.event(events.LEASE_REJECTED, reason="redelivery of an accepted task")
@@ -528,6 +565,44 @@ class _Execution:
         if prepared.duplicate_token is not None:
             self.release()
             self.duplicate(DuplicateResult(self.key, prepared.duplicate_token))
+
+    def _store_accepted(self, token: int) -> None:
+        """Store SUCCESS with this task id's accepted value unless the backend has it.
+
+        Read first, write only if needed: a write also returns a chord part, and
+        the execution that committed returned it already if it stored SUCCESS.
+        """
+        if self._ignore_result() or isinstance(self.task.backend, DisabledBackend):
+            return
+        try:
+            accepted = self.rt.results.get(self.key, token)
+        except StoreUnavailable as e:
+            self.release()
+            self.defer(
+                self._default_countdown(), f"result database unavailable: {e}", counted=False
+            )
+        if accepted is None or accepted.task_id != self.task_id:
+            return  # swept by retention: nothing left to say
+        meta = self._backend_meta(self.task_id)
+        if meta is None:
+            self.release()
+            self.defer(self._default_countdown(), "result backend unavailable", counted=False)
+        if meta.get("status") != SUCCESS:
+            self.task.backend.mark_as_done(self.task_id, accepted.value, request=self.req)
+
+    def _backend_meta(self, task_id: str) -> dict[str, Any] | None:
+        """The backend's record of ``task_id`` (None: the backend cannot be read)."""
+        backend = self.task.backend
+        errors = (
+            OSError,
+            *getattr(backend, "connection_errors", ()),
+            *getattr(backend, "channel_errors", ()),
+        )
+        try:
+            meta: dict[str, Any] = backend.get_task_meta(task_id, cache=False)
+        except errors:
+            return None
+        return meta
 
     def _may_be_a_late_copy(self) -> bool:
         """True unless this message is its task id's first delivery.
@@ -554,14 +629,8 @@ class _Execution:
         backend = self.task.backend
         if self._ignore_result() or isinstance(backend, DisabledBackend):
             return False
-        errors = (
-            OSError,
-            *getattr(backend, "connection_errors", ()),
-            *getattr(backend, "channel_errors", ()),
-        )
-        try:
-            meta = backend.get_task_meta(self.task_id if task_id is None else task_id, cache=False)
-        except errors:
+        meta = self._backend_meta(self.task_id if task_id is None else task_id)
+        if meta is None:
             return False  # cannot tell: run (the commit is fenced anyway)
         return meta.get("status") == FAILURE and isinstance(meta.get("result"), LeaseError)
 
@@ -620,18 +689,7 @@ class _Execution:
             holder = self.rt.store.inspect(self.key)
         except StoreUnavailable:
             pass
-        if newer is not None and newer.task_id == self.task_id:
-            # Another execution of this task id won: its SUCCESS stands.
-            self.event(state, token=token, reason="another execution of this task id committed")
-            raise Ignore()
-        if holder is not None and holder.live and holder.task_id == self.task_id:
-            # Another execution of this task id holds the key: maybe a restored
-            # copy of this very message, sharing its delivery tag, whose unacked
-            # entry this execution's ack would remove: a SIGKILL of it would then
-            # requeue nothing. Leave a deferred copy behind as its crash cover,
-            # as a redelivered copy that meets its live owner does.
-            self.event(state, token=token, reason="another execution of this task id holds it")
-            self.defer(holder.remaining, "a copy of this task id holds the lease", same_task=True)
+        self._leave_to_own_copy(state, token, holder)
         taken_over = (newer is not None and token is not None and newer.token > token) or (
             holder is not None and holder.live and not self._finished_elsewhere(holder, newer)
         )
@@ -642,6 +700,50 @@ class _Execution:
         self._store_failure(exc)
         self.event(state, token=token, reason=str(exc))
         raise Ignore()
+
+    def _leave_to_own_copy(self, state: str, token: int | None, holder: LeaseRecord | None) -> None:
+        """Raise (storing nothing) if another execution of this task id owns its outcome.
+
+        A copy that lost its lease must never write the backend state of a task
+        id another copy finished (a stalled copy 1 resuming with an error or a
+        ``Retry`` after copy 2 stored SUCCESS), nor of one another copy is
+        running. Returns if no other execution of this task id committed or
+        holds the key.
+        """
+        try:
+            mine = self.rt.results.for_task(self.task_id)
+        except StoreUnavailable:
+            mine = None  # cannot tell: the key's holder still can
+        if mine is not None:
+            # Another execution of this task id won: its SUCCESS stands. It may
+            # have died before storing it; then a copy stores it (prepare()).
+            self.event(state, token=token, reason="another execution of this task id committed")
+            meta = None if self._ignore_result() else self._backend_meta(self.task_id)
+            if meta is not None and meta.get("status") != SUCCESS:
+                self.defer(self._default_countdown(), "store the accepted result", counted=False)
+            raise Ignore()
+        if holder is not None and holder.live and holder.task_id == self.task_id:
+            # Another execution of this task id holds the key: maybe a restored
+            # copy of this very message, sharing its delivery tag, whose unacked
+            # entry this execution's ack would remove: a SIGKILL of it would then
+            # requeue nothing. Leave a deferred copy behind as its crash cover,
+            # as a redelivered copy that meets its live owner does.
+            self.event(state, token=token, reason="another execution of this task id holds it")
+            self.defer(holder.remaining, "a copy of this task id holds the lease", counted=False)
+
+    def _unless_overtaken(self, held: HeldLease) -> None:
+        """The body raised (an error, ``Retry``): let Celery store that, unless
+        this execution lost its lease and another copy of its task id owns the
+        outcome (then raise, storing nothing)."""
+        if held.held:
+            return  # still the owner: the outcome is this execution's to store
+        try:
+            holder = self.rt.store.inspect(self.key)
+        except StoreUnavailable:
+            holder = None
+        if holder is not None and holder.token == held.token:
+            holder = None  # this execution's own lease, not yet expired in the store
+        self._leave_to_own_copy(events.LEASE_LOST, held.token, holder)
 
     def _finished_elsewhere(self, holder: LeaseRecord, newer: AcceptedResult | None) -> bool:
         """True if ``holder`` is a late copy of a task that already ended.
@@ -668,7 +770,13 @@ class _Execution:
     def duplicate(self, exc: DuplicateResult) -> NoReturn:
         metrics.claims.labels("duplicate").inc()
         if self.opts.on_duplicate == "return":
-            accepted = self.rt.results.accepted(self.key, self.tenant)
+            try:
+                accepted = self.rt.results.accepted(self.key, self.tenant)
+            except StoreUnavailable as e:
+                # Not a FAILURE (a later copy would be rejected as "ended"): wait it out.
+                self.defer(
+                    self._default_countdown(), f"result database unavailable: {e}", counted=False
+                )
             if not self._ignore_result():
                 self.task.backend.mark_as_done(
                     self.task_id, accepted.value if accepted else None, request=self.req
@@ -682,24 +790,37 @@ class _Execution:
         self.event(events.LEASE_REJECTED, reason=f"{reason}: {exc}")
         raise Ignore()
 
-    def defer(self, remaining: float, reason: str, *, same_task: bool = False) -> NoReturn:
+    def defer(self, remaining: float, reason: str, *, counted: bool = True) -> NoReturn:
         """Re-publish this task id for after the holder's lease, backend untouched.
 
-        ``lease_defer_max`` bounds deferrals behind *other* owners. A copy of the
-        holder's own task id is deferred for as long as that holder lives (the
-        chain ends when it commits, or takes over if it dies): rejecting it would
-        write FAILURE over the live owner's task id and drop its crash cover.
+        ``lease_defer_max`` bounds deferrals behind *other* task ids' live leases
+        (``counted``): it exists to end an endless conflict, so only such a
+        deferral spends it. Waiting behind a copy of this very task id (the
+        chain ends when that copy commits, or takes over if it dies), and
+        waiting out an unreachable lease store or result database, never do:
+        an outage of any length delays the work, it never turns it into a
+        FAILURE (with the defaults a 17-minute outage did).
         """
-        deferrals = int(getattr(self.req, HEADER_DEFERRALS, 0) or 0)
-        if deferrals >= self.cfg.defer_max and not same_task:
+        deferrals = self._deferrals()
+        if counted and deferrals >= self.cfg.defer_max:
             metrics.claims.labels("rejected").inc()
             self.reject(
                 LeaseNotAcquired(self.key, None, remaining),
-                reason=f"deferred {deferrals} times (lease_defer_max)",
+                reason=f"deferred {deferrals} times behind other tasks (lease_defer_max)",
             )
         countdown = remaining + random.uniform(0.05, 0.05 + min(1.0, 0.1 * self.opts.ttl))
         metrics.claims.labels("deferred").inc()
-        self.republish(countdown, reason=reason, deferrals=deferrals + 1)
+        self.republish(countdown, reason=reason, deferrals=deferrals + 1 if counted else deferrals)
+
+    def _deferrals(self) -> int:
+        """Counted deferrals so far (a header anyone may set: never below 0)."""
+        value = getattr(self.req, HEADER_DEFERRALS, 0)
+        if isinstance(value, bool):
+            return 0
+        try:
+            return max(0, int(value or 0))
+        except (TypeError, ValueError):
+            return 0
 
     def republish(self, countdown: float, *, reason: str, deferrals: int | None = None) -> NoReturn:
         """Publish this task id again (at most one outstanding copy), then Ignore."""
@@ -729,9 +850,7 @@ class _Execution:
                 HEADER_KEYS: self.keys,
                 HEADER_TENANT: self.tenant,
                 HEADER_DEFER_ID: defer_id,
-                HEADER_DEFERRALS: deferrals
-                if deferrals is not None
-                else int(getattr(self.req, HEADER_DEFERRALS, 0) or 0),
+                HEADER_DEFERRALS: deferrals if deferrals is not None else self._deferrals(),
             }
         )
         when: dict[str, Any] = {"countdown": countdown}
@@ -796,11 +915,12 @@ class _Execution:
         # Runs in the renewal thread: self.req is not this thread's request, so
         # only values captured at claim time are used.
         metrics.leases_lost.inc()
-        self.event(events.LEASE_LOST, token=held.token, reason=reason)
+        self.event(events.LEASE_LOST, token=held.token, reason=reason, later=True)
 
-    def event(self, state: str, **fields: Any) -> None:
+    def event(self, state: str, *, later: bool = False, **fields: Any) -> None:
+        """Send ``state`` as a task event (``later``: from the events thread) and log it."""
         if self.cfg.send_events:
-            events.send(
+            (events.send_later if later else events.send)(
                 self.app,
                 state,
                 task_id=self.task_id,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Mapping
 from types import SimpleNamespace
@@ -93,10 +94,73 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
         """A plain chord callback: what the members returned, in order."""
         return results
 
+    @app.task(base=LeasedTask, bind=True, shared=False, name="leaseapp.fail_on", lease_key="{key}")
+    def fail_on(self: Any, key: str, sleep: float = 0.0, tag: str = "") -> Any:
+        """Runs like ``work``; on the worker named by ``tag`` ("raise:<hostname>" or
+        "retry:<hostname>") the body then raises an error or ``self.retry()``;
+        with "slow:<hostname>" the body sleeps ``sleep`` only there (0.1 s elsewhere)."""
+        how, _, host = tag.partition(":")
+        if how == "slow" and host != self.request.hostname:
+            sleep = 0.1
+        value = _body(self, key, sleep, tag, env("CL_LOG"))
+        if host == self.request.hostname:
+            if how == "raise":
+                raise RuntimeError(f"late failure on {host}")
+            if how == "retry":
+                raise self.retry(countdown=0.2, max_retries=3)
+        return value
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="leaseapp.suite",
+        lease_key="payment-security-{api_id}",
+    )
+    def suite(self: Any, api_id: int, work_s: float) -> Any:
+        """The README's task shape: a key template that names one argument of two."""
+        return _body(self, f"payment-security-{api_id}", work_s, "", env("CL_LOG"))
+
+    tasks.fail_on = fail_on
+    tasks.suite = suite
+
+    @app.task(
+        base=DieAfterCommit,
+        bind=True,
+        shared=False,
+        name="leaseapp.die_after_commit",
+        lease_key="{key}",
+    )
+    def die_after_commit(self: Any, key: str, sleep: float = 0.0, tag: str = "") -> Any:
+        return _body(self, key, sleep, tag, env("CL_LOG"))
+
+    tasks.die_after_commit = die_after_commit
     tasks.bad_return = bad_return
     tasks.retry_once = retry_once
     tasks.collect = collect
     return app, tasks
+
+
+class DieAfterCommit(LeasedTask):  # type: ignore[misc]
+    """A leased task whose child SIGKILLs itself between the fenced commit and
+    Celery's result-backend write, once per armed task id.
+
+    Inert unless the test arms it: a file named after the task id in
+    ``CL_ARM_DIR``. ``__call__`` returns only after the commit (and release);
+    the tracer writes SUCCESS after that, so the kill lands exactly between.
+    """
+
+    abstract = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        value = super().__call__(*args, **kwargs)
+        arm_dir = os.environ.get("CL_ARM_DIR")
+        armed = os.path.join(arm_dir, str(self.request.id)) if arm_dir else None
+        if armed and os.path.exists(armed):
+            os.unlink(armed)
+            record(os.environ.get("CL_LOG"), "committed", task_id=self.request.id, value=value)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return value
 
 
 def record(path: str | None, event: str, **fields: Any) -> None:
