@@ -237,7 +237,8 @@ def migrate(ctx: click.Context) -> None:
     "--lease-grace",
     default=3600.0,
     show_default=True,
-    help="Delete lease rows expired for longer than this many seconds.",
+    type=click.FloatRange(min=0),
+    help="Delete lease rows expired for longer than this many seconds (>= 0).",
 )
 @json_option
 @click.pass_context

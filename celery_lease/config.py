@@ -55,8 +55,12 @@ SETTINGS: dict[str, tuple[Any, str]] = {
         "sqlite:/// (default: the lease store's database if it is SQL, "
         "else the embedded SQLite file)",
     ),
-    "lease_ttl": (30.0, "lease length in seconds"),
-    "lease_renew_interval": (None, "seconds between renewals (default: TTL / 3; at most TTL / 2)"),
+    "lease_ttl": (30.0, "lease length in seconds (at most one year)"),
+    "lease_renew_interval": (
+        None,
+        "seconds between renewals (default: TTL / 3; at most TTL / 2, and interval + "
+        "min(interval / 3, 1) < TTL - clock drift)",
+    ),
     "lease_mode": ("exclusive", "exclusive | once"),
     "lease_on_conflict": ("defer", "defer | reject | wait"),
     "lease_on_duplicate": ("reject", "once mode: reject | return"),
@@ -137,6 +141,7 @@ class Config:
                 f"sqlite:///...), got {result_url!r}"
             )
         ttl = _number("lease_ttl", get("lease_ttl"), positive=True)
+        check_max_ttl(ttl, "lease_ttl")
         renew = conf.get("lease_renew_interval")
         if renew is not None:
             renew = _number("lease_renew_interval", renew, positive=True)
@@ -148,6 +153,7 @@ class Config:
                 raise LeaseConfigError(
                     f"lease_clock_drift must be >= 0 and below lease_ttl ({ttl}), got {drift!r}"
                 )
+        check_renew_interval(renew, ttl, "lease_renew_interval", drift)
         expires = conf.get("lease_result_expires")
         if expires is not None:
             if hasattr(expires, "total_seconds"):
@@ -210,12 +216,39 @@ def config(app: Celery) -> Config:
     return cfg
 
 
-def check_renew_interval(renew: float, ttl: float, name: str) -> None:
-    if renew > ttl / 2:
+def check_renew_interval(
+    renew: float | None,
+    ttl: float,
+    name: str,
+    clock_drift: float | None = None,
+    *,
+    ttl_name: str = "lease_ttl",
+    drift_name: str = "lease_clock_drift",
+) -> None:
+    """Refuse a renew interval (None: TTL / 3) that cannot keep a lease of ``ttl``.
+
+    At most half the TTL, and, with ``clock_drift`` (None: the default drift)
+    taken off, the first renewal and one retry of it must come before the local
+    view of the lease ends (:func:`celery_lease.renewal.check_schedule`).
+    ``name`` is the interval's name in the error, ``ttl_name`` and
+    ``drift_name`` the others'.
+    """
+    from celery_lease.renewal import check_schedule
+
+    if renew is not None and renew > ttl / 2:
         raise LeaseConfigError(
             f"{name} ({renew}) must be at most half the TTL ({ttl}) so a renewal can fail "
             "once and still be retried before the lease runs out"
         )
+    check_schedule(ttl, renew, clock_drift, names=(ttl_name, name, drift_name))
+
+
+def check_max_ttl(ttl: float, name: str) -> None:
+    """Refuse a TTL over :data:`celery_lease.stores.base.MAX_TTL` (one year)."""
+    from celery_lease.stores.base import MAX_TTL
+
+    if ttl > MAX_TTL:
+        raise LeaseConfigError(f"{name} must be at most {MAX_TTL:.0f} (one year), got {ttl!r}")
 
 
 def choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:

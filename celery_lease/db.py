@@ -219,6 +219,13 @@ EVICT = """
 UPDATE celery_lease_leases SET owner_id = NULL, expires_at = :now, renewed_at = :now
 WHERE lease_key = :key
 """
+#: Evict only the unreleased lease of one token (a released row has
+#: renewed_at = expires_at); the caller raises the fence only if a row changed.
+EVICT_TOKEN = """
+UPDATE celery_lease_leases SET owner_id = NULL, expires_at = :now, renewed_at = :now
+WHERE lease_key = :key AND fencing_token = :token AND owner_id IS NOT NULL
+    AND renewed_at < expires_at
+"""
 FENCE_TOKEN = """
 SELECT COALESCE(MAX(t), 0) FROM (
     SELECT fencing_token AS t FROM celery_lease_fences WHERE resource = :key

@@ -29,7 +29,14 @@ from celery_lease.exceptions import LeaseConfigError, LeaseLost, StoreUnavailabl
 if TYPE_CHECKING:
     from celery_lease.stores.base import Lease, LeaseStore
 
-__all__ = ["HeldLease", "Renewer", "default_clock_drift", "renewer"]
+__all__ = [
+    "HeldLease",
+    "Renewer",
+    "check_schedule",
+    "default_clock_drift",
+    "renewer",
+    "retry_delay",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +44,51 @@ logger = logging.getLogger(__name__)
 def default_clock_drift(ttl: float) -> float:
     """The margin taken off the local view of a lease: 2 % of the TTL + 50 ms, at most 1 s."""
     return min(1.0, 0.02 * ttl + 0.05)
+
+
+def retry_delay(renew_interval: float) -> float:
+    """How long after a renewal the store did not answer it is sent again."""
+    return min(renew_interval / 3, 1.0)
+
+
+def check_schedule(
+    ttl: float,
+    renew_interval: float | None,
+    clock_drift: float | None,
+    *,
+    names: tuple[str, str, str] = ("TTL", "renew interval", "clock drift"),
+) -> None:
+    """Refuse a (TTL, renew interval, clock drift) whose renewals cannot keep a lease.
+
+    ``None`` is the default (TTL / 3; :func:`default_clock_drift`). The local
+    view of a lease ends ``ttl - clock_drift`` after its claim, and the first
+    renewal is due ``renew_interval`` after it. The renewal and one retry of
+    it (:func:`retry_delay` later, for a store that did not answer once) must
+    both be due before the view ends: a store blip at the first renewal must
+    not lose every lease. ``names`` are the TTL's, interval's and drift's names
+    in the error (the settings' names for a worker).
+    """
+    ttl_name, renew_name, drift_name = names
+    renew = ttl / 3 if renew_interval is None else renew_interval
+    drift = default_clock_drift(ttl) if clock_drift is None else clock_drift
+    if not 0 < renew <= ttl / 2:
+        raise LeaseConfigError(
+            f"{renew_name} ({renew!r}) must be > 0 and at most half the {ttl_name} ({ttl}) "
+            "so a renewal can fail once and still be retried before the lease runs out"
+        )
+    if not 0 <= drift < ttl:
+        raise LeaseConfigError(f"{drift_name} ({drift!r}) must be >= 0 and below the {ttl_name}")
+    view = ttl - drift
+    retry = retry_delay(renew)
+    if not renew + retry < view:
+        shown = f"{renew:g}" + (" = TTL / 3, the default" if renew_interval is None else "")
+        dshown = f"{drift:g}" + (", the default" if clock_drift is None else "")
+        raise LeaseConfigError(
+            f"{renew_name} ({shown}) does not fit {ttl_name} ({ttl:g}) less {drift_name} "
+            f"({dshown}): the local view of a lease ends {view:g} s after its claim, before "
+            f"the first renewal and one retry ({retry:g} s later) are due; need "
+            f"{renew_name} + {retry:g} < {ttl_name} - {drift_name}"
+        )
 
 
 LostCallback = Callable[["HeldLease", str], None]
@@ -67,12 +119,7 @@ class HeldLease:
         self.clock_drift = (
             clock_drift if clock_drift is not None else default_clock_drift(lease.ttl)
         )
-        if not 0 < self.renew_interval < self.ttl:
-            raise LeaseConfigError(
-                f"renew interval {self.renew_interval!r} must be > 0 and below the TTL {self.ttl}"
-            )
-        if not 0 <= self.clock_drift < self.ttl:
-            raise LeaseConfigError(f"clock drift {self.clock_drift!r} must be in [0, TTL)")
+        check_schedule(self.ttl, self.renew_interval, self.clock_drift)
         start = sent_at if sent_at is not None else time.monotonic()
         self.valid_until = start + self.ttl - self.clock_drift
         self.next_renewal = start + self.renew_interval
@@ -167,7 +214,7 @@ class HeldLease:
             if time.monotonic() >= self.valid_until:
                 self.mark_lost("the store stayed unreachable until the lease's validity ran out")
             else:
-                self.next_renewal = sent + min(self.renew_interval / 3, 1.0)
+                self.next_renewal = sent + retry_delay(self.renew_interval)
 
     def mark_lost(self, reason: str) -> None:
         """Declare the lease lost (once); runs the ``on_lost`` callbacks unless detached."""

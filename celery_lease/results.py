@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -581,7 +582,14 @@ class ResultTable:
         row first, so a later claim still gets a larger token. Note that in
         ``once`` mode a swept result no longer blocks a duplicate: retention
         bounds the deduplication window.
+
+        Both are finite numbers of seconds >= 0 (``result_expires`` may be
+        None): a negative one puts the cutoff in the future, and a negative
+        ``lease_grace`` would delete the rows of live leases.
         """
+        _check_seconds("lease_grace", lease_grace)
+        if result_expires is not None:
+            _check_seconds("result_expires", result_expires)
         with self.db.transaction() as conn:
             now = self._now(conn)
             swept_results = 0
@@ -597,6 +605,16 @@ class ResultTable:
             extra={"action": "sweep", "results": swept_results, "leases": swept_leases},
         )
         return {"results": swept_results, "leases": swept_leases}
+
+
+def _check_seconds(name: str, value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise LeaseConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
 
 
 def accepted(key: str, tenant: str | None = None, *, url: str) -> AcceptedResult | None:

@@ -9,9 +9,10 @@
   parent (connection pools are also reset by ``os.register_at_fork`` hooks);
 - ``worker_process_shutdown`` (a child's warm exit): release the leases it holds;
 - ``task_revoked`` with ``terminate=True`` (main process): the child is killed
-  mid-body, so release its lease on its behalf (evict, if the record still
-  names that task id). A child killed with SIGKILL otherwise leaves its lease
-  to expire after its TTL: nothing can run in the dead child.
+  mid-body, so release its lease on its behalf (evict the lease read, if it
+  still names that task id: only that token's lease, never a newer owner's).
+  A child killed with SIGKILL otherwise leaves its lease to expire after its
+  TTL: nothing can run in the dead child.
 """
 
 from __future__ import annotations
@@ -25,9 +26,12 @@ from celery.signals import task_revoked, worker_process_init, worker_process_shu
 from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
 
 if TYPE_CHECKING:
-    from celery_lease.config import Config
+    from collections.abc import Iterable
 
-__all__ = ["LeaseBootstep", "install"]
+    from celery_lease.config import Config
+    from celery_lease.stores.base import LeaseStore
+
+__all__ = ["LeaseBootstep", "install", "release_terminated"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +92,7 @@ def check_tasks(app: Any, cfg: Config) -> None:
     settings known too. Without this, a mismatch surfaced in every execution,
     after the claim (or as renewals too rare to survive one failure).
     """
-    from celery_lease.config import check_renew_interval
+    from celery_lease.config import check_max_ttl, check_renew_interval
     from celery_lease.task import LeasedTask
 
     for name in sorted(app.tasks):
@@ -96,6 +100,7 @@ def check_tasks(app: Any, cfg: Config) -> None:
         if not isinstance(task, LeasedTask):
             continue
         opts = task._options(cfg)
+        check_max_ttl(opts.ttl, f"task {name!r}: lease_ttl")
         if opts.renew_interval is not None:
             check_renew_interval(
                 opts.renew_interval, opts.ttl, f"task {name!r}: lease_renew_interval"
@@ -105,6 +110,9 @@ def check_tasks(app: Any, cfg: Config) -> None:
                 f"task {name!r}: lease_clock_drift ({cfg.clock_drift}) must be below the "
                 f"task's lease_ttl ({opts.ttl})"
             )
+        check_renew_interval(
+            opts.renew_interval, opts.ttl, f"task {name!r}: lease_renew_interval", cfg.clock_drift
+        )
 
 
 def install(app: Any) -> None:
@@ -139,7 +147,6 @@ def _process_shutdown(**kwargs: Any) -> None:
 def _revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> None:
     if not terminated or request is None:
         return
-    from celery_lease.keys import scoped
     from celery_lease.task import HEADER_KEYS, HEADER_TENANT, runtime
 
     task = getattr(request, "task", None)
@@ -148,17 +155,34 @@ def _revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> No
         return
     headers = getattr(request, "_request_dict", {}) or {}
     keys = headers.get(HEADER_KEYS) or []
-    tenant = headers.get(HEADER_TENANT)
-    store = runtime(app).store
+    release_terminated(runtime(app).store, keys, headers.get(HEADER_TENANT), request.id)
+
+
+def release_terminated(
+    store: LeaseStore, keys: Iterable[Any], tenant: str | None, task_id: str
+) -> list[str]:
+    """Evict the leases a terminated task ``task_id`` still holds; the keys evicted.
+
+    Only the lease read here, by its token: SIGTERM went out before this
+    runs, so the child may still have committed and released, and a new
+    owner claimed, between the read and the evict; an unconditional evict
+    would take the key from that new owner.
+    """
+    from celery_lease.keys import scoped
+
+    evicted = []
     for key in keys:
         full = scoped(str(key), tenant)
         try:
             record = store.inspect(full)
-            if record is not None and record.live and record.task_id == request.id:
-                store.evict(full)
+            if record is None or not record.live or record.task_id != task_id:
+                continue
+            if store.evict(full, token=record.token) is not None:
+                evicted.append(full)
                 logger.info(
                     "released the lease of a terminated task",
-                    extra={"action": "revoke_release", "lease_key": full, "task_id": request.id},
+                    extra={"action": "revoke_release", "lease_key": full, "task_id": task_id},
                 )
         except StoreUnavailable as e:
             logger.warning("could not release %s after revoke: %s", full, e)
+    return evicted

@@ -164,3 +164,25 @@ def test_cli_bad_setting_is_a_clear_error(project: dict[str, object]) -> None:
     out = lease_cmd(project, "list")
     assert out.returncode == 1
     assert "lease_store_url: unknown URL scheme 'mongodb'" in out.stderr, out.stderr
+
+
+def test_cli_sweep_refuses_a_negative_lease_grace(project: dict[str, object]) -> None:
+    """A negative grace put the cutoff in the future: the sweep deleted live leases."""
+    assert lease_cmd(project, "migrate").returncode == 0
+    key = "payment-security-7"
+    claimed = run(project, "python", "-c", OWNER_CLAIM, key)
+    assert claimed.returncode == 0, claimed.stderr
+    lease = json.loads(claimed.stdout)
+
+    negative = lease_cmd(project, "sweep", "--lease-grace", "-3600")
+    assert negative.returncode == 2, negative.stdout + negative.stderr
+    assert "Invalid value for '--lease-grace'" in negative.stderr, negative.stderr
+    nan = lease_cmd(project, "sweep", "--lease-grace", "nan")
+    assert nan.returncode == 1, nan.stdout + nan.stderr
+    assert "Error: lease_grace must be a finite number of seconds >= 0" in nan.stderr
+    assert "Traceback" not in negative.stderr + nan.stderr
+
+    shown = json.loads(lease_cmd(project, "show", key, "--json").stdout)
+    assert shown["live"] is True and shown["token"] == lease["token"], shown
+    swept = lease_cmd(project, "sweep", "--lease-grace", "0")
+    assert swept.returncode == 0 and "0 lease row(s)" in swept.stdout, swept.stdout

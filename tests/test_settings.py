@@ -75,6 +75,11 @@ BAD_SETTINGS: list[tuple[dict[str, Any], list[str]]] = [
         ["lease_renew_interval (100", "at most half the TTL (3.0)"],
     ),
     ({"lease_clock_drift": 99}, ["lease_clock_drift must be >= 0 and below lease_ttl (3.0)", "99"]),
+    (
+        {"lease_clock_drift": 2.5},
+        ["less lease_clock_drift (2.5): the local view of a lease ends 0.5 s after its claim"],
+    ),
+    ({"lease_ttl": 1e11}, ["lease_ttl must be at most 31536000 (one year)"]),
 ]
 
 
@@ -363,6 +368,12 @@ def test_task_option_error_at_registration(options: dict[str, Any], message: str
             r"task 'proj.suite': lease_clock_drift \(2.0\) must be below the task's "
             r"lease_ttl \(2.0\)",
         ),
+        (
+            {"lease_ttl": 30, "lease_clock_drift": 7.0},
+            {"lease_ttl": 10},
+            r"task 'proj.suite': lease_renew_interval \(3.33333 = TTL / 3, the default\) does "
+            r"not fit lease_ttl \(10\) less lease_clock_drift \(7\)",
+        ),
     ],
 )
 def test_task_options_checked_against_the_app_settings_at_worker_start(
@@ -377,6 +388,14 @@ def test_task_options_checked_against_the_app_settings_at_worker_start(
     # The same options fit other settings.
     task.app.conf.update(lease_ttl=100, lease_clock_drift=None)
     check_tasks(task.app, Config.from_app(task.app))
+
+
+def test_a_task_ttl_over_a_year_is_refused_at_worker_start() -> None:
+    from celery_lease.signals import check_tasks
+
+    task = _register(lease_ttl=1e11)
+    with pytest.raises(LeaseConfigError, match=r"task 'proj.suite': lease_ttl must be at most"):
+        check_tasks(task.app, Config.from_app(task.app))
 
 
 def test_good_task_options_register() -> None:

@@ -53,7 +53,16 @@ from celery_lease.keys import has_unstorable, shorten
 if TYPE_CHECKING:
     from celery_lease.renewal import HeldLease
 
-__all__ = ["META_FIELDS", "Lease", "LeaseRecord", "LeaseStore", "new_owner_id"]
+__all__ = ["MAX_TTL", "META_FIELDS", "Lease", "LeaseRecord", "LeaseStore", "new_owner_id"]
+
+#: The longest lease, in seconds: one year (365 days). Every store keeps it
+#: exactly: Redis holds expiry in microseconds as a Lua number, exact (and
+#: written as digits, not in exponent form) below 2**53 µs, that is for a TTL
+#: up to about 228 years from today; PEXPIRE takes it in milliseconds; SQL holds
+#: epoch seconds as double precision (microseconds exact below 2**53 µs too);
+#: etcd takes whole seconds up to 9e9. A year is far inside all of them, and far
+#: longer than a lease that is renewed every TTL / 3 needs to be.
+MAX_TTL = 365 * 24 * 3600.0
 
 #: Audit fields a claim may carry; stores keep them with the lease record.
 META_FIELDS = ("task_id", "task_name", "root_id", "tenant")
@@ -167,7 +176,7 @@ def check_ttl(ttl: float) -> float:
     # Finite too: an infinite TTL would be a lease that never expires (SQL) or a
     # driver OverflowError (Redis); every lease has a bounded TTL.
     kind = type(ttl)
-    if (kind is float or kind is int) and 0 < ttl < math.inf:  # NaN compares False
+    if (kind is float or kind is int) and 0 < ttl <= MAX_TTL:  # NaN compares False
         return float(ttl)
     if (
         not isinstance(ttl, (int, float))
@@ -176,6 +185,8 @@ def check_ttl(ttl: float) -> float:
         or not math.isfinite(ttl)
     ):
         raise LeaseConfigError(f"ttl must be a positive number of seconds, got {ttl!r}")
+    if not ttl <= MAX_TTL:
+        raise LeaseConfigError(f"ttl must be at most {MAX_TTL:.0f} seconds (one year), got {ttl!r}")
     return float(ttl)
 
 
@@ -288,14 +299,24 @@ class LeaseStore(ABC):
             return []  # NUL or a lone surrogate: no stored key contains one
         return self.do_list(prefix, expired)
 
-    def evict(self, key: str) -> LeaseRecord | None:
+    def evict(self, key: str, token: int | None = None) -> LeaseRecord | None:
         """Force-release ``key`` whoever holds it and advance its fence.
 
         The evicted owner's renewals, releases and commits fail from then on;
         the next claim gets a larger token. Returns the evicted record, if any.
+
+        With ``token`` (a token read from :meth:`inspect`), only the lease
+        granted with that token is evicted, atomically with the check: if the
+        key was released, or granted again since, nothing changes and the
+        answer is None. An evict decided on an earlier read can then never hit
+        an owner that claimed after that read.
         """
         key = normalize_keys(key)[0]
-        return self.do_evict(key)
+        if token is None:
+            return self.do_evict(key)
+        if isinstance(token, bool) or not isinstance(token, int) or token <= 0:
+            raise LeaseConfigError(f"a fencing token is a positive integer, got {token!r}")
+        return self.do_evict(key, token)
 
     def fence_token(self, key: str) -> int:
         """The newest token ever issued for ``key`` (0 if none)."""
@@ -318,8 +339,10 @@ class LeaseStore(ABC):
         Inside the block, ``lease.held`` turns False and ``lease.ensure()``
         raises :class:`LeaseLost` once ownership is gone.
         """
-        from celery_lease.renewal import HeldLease, renewer
+        from celery_lease.renewal import HeldLease, check_schedule, renewer
 
+        # Before the claim: a lease whose renewals cannot keep it is never made.
+        check_schedule(check_ttl(ttl), renew_interval, clock_drift)
         sent = time.monotonic()
         lease = self.claim(key, ttl=ttl, owner_id=owner_id, meta=meta)
         if lease is None:
@@ -378,7 +401,8 @@ class LeaseStore(ABC):
     def do_list(self, prefix: str, expired: bool) -> builtins.list[LeaseRecord]: ...
 
     @abstractmethod
-    def do_evict(self, key: str) -> LeaseRecord | None: ...
+    def do_evict(self, key: str, token: int | None = None) -> LeaseRecord | None:
+        """Evict ``key``; with ``token``, only the unreleased lease of that token."""
 
     @abstractmethod
     def do_fence_token(self, key: str) -> int: ...

@@ -498,15 +498,19 @@ class EtcdLeaseStore(LeaseStore):
                 records.append(record)
         return records
 
-    def do_evict(self, key: str) -> LeaseRecord | None:
+    def do_evict(self, key: str, token: int | None = None) -> LeaseRecord | None:
         for _ in range(10):
-            kv, _fence = self._read([key])[key]
+            kv, fence = self._read([key])[key]
+            if token is not None and (kv is None or fence is None or fence.mod_revision != token):
+                return None  # not that token's lease (any more): nothing changes
             before = self.do_inspect(key) if kv is not None else None
             compare = [
                 _cmp(self.lease_name(key), "MOD", kv.mod_revision)
                 if kv is not None
                 else _cmp(self.lease_name(key), "CREATE", 0)
             ]
+            if token is not None:
+                compare.append(_cmp(self.fence_name(key), "MOD", token))
             success: builtins.list[dict[str, Any]] = [
                 {"request_put": {"key": _b64(self.fence_name(key))}}
             ]

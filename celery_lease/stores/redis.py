@@ -40,9 +40,22 @@ from redis.exceptions import NoScriptError, ReadOnlyError, RedisError, ResponseE
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_lease.exceptions import LeaseConfigError, LeaseError, StoreUnavailable
-from celery_lease.stores.base import META_FIELDS, Lease, LeaseRecord, LeaseStore, redact_url
+from celery_lease.stores.base import (
+    MAX_TTL,
+    META_FIELDS,
+    Lease,
+    LeaseRecord,
+    LeaseStore,
+    redact_url,
+)
 
 __all__ = ["RedisLeaseStore"]
+
+#: The longest TTL the scripts accept, in ms. They check every TTL before their
+#: first write: a value PEXPIRE refuses (past 2**63 ms), or one that makes the
+#: expiry (µs, a Lua number) inexact or written in exponent form, must fail
+#: the whole call, never leave a hash written without its expiry.
+_MAX_TTL_MS = round(MAX_TTL * 1000)
 
 # CLAIM: grant every key or none, with one token.
 # KEYS: n lease hashes, then the n fence counters of the same keys (same order)
@@ -60,7 +73,13 @@ __all__ = ["RedisLeaseStore"]
 # one µs, a clock stepped back) every fence is then set to the larger token.
 # Returns {1, token, now_us}                        granted (expires_us = now_us + ttl_ms * 1000)
 #         {0, holder_owner, holder_expires_us, now_us}  a live lease of another owner
+# An error reply, before anything is written, for a ttl_ms that is not a whole
+# number in 1.._MAX_TTL_MS.
 CLAIM = """
+local ms = tonumber(ARGV[2])
+if not ms or ms < 1 or ms > @MAX_TTL_MS@ or ms % 1 ~= 0 then
+  return redis.error_reply('ERR celery-lease: ttl_ms out of range: ' .. tostring(ARGV[2]))
+end
 local t = redis.call('TIME')
 local now = t[1] * 1000000 + t[2]
 local n = #KEYS / 2
@@ -102,14 +121,21 @@ for i = 1, n do
   redis.call('PEXPIRE', KEYS[i], ARGV[2])
 end
 return {1, token, now}
-"""
+""".replace("@MAX_TTL_MS@", str(_MAX_TTL_MS))
 
 # RENEW: renew any number of leases in one call.
 # KEYS: the lease hashes of every lease, concatenated in ARGV order
 # ARGV: count, then per lease: nkeys, owner_id, token, ttl_ms
 # Returns one entry per lease: its new expires_us, or '0' if it is lost (some
-# key no longer names this owner and token, or it expired by TIME).
+# key no longer names this owner and token, or it expired by TIME). An error
+# reply, before anything is written, if any ttl_ms is out of range (as CLAIM).
 RENEW = """
+for l = 1, tonumber(ARGV[1]) do
+  local ms = tonumber(ARGV[l * 4 + 1])
+  if not ms or ms < 1 or ms > @MAX_TTL_MS@ or ms % 1 ~= 0 then
+    return redis.error_reply('ERR celery-lease: ttl_ms out of range: ' .. tostring(ARGV[l * 4 + 1]))
+  end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local out = {}
@@ -140,7 +166,7 @@ for l = 1, tonumber(ARGV[1]) do
   k = k + nkeys
 end
 return out
-"""
+""".replace("@MAX_TTL_MS@", str(_MAX_TTL_MS))
 
 # RELEASE: mark released the keys that still name this owner and token. The
 # hash stays (until its own expiry) as a tombstone, so releasing again answers
@@ -179,8 +205,14 @@ return out
 # EVICT: force release whoever holds the key, and raise the fence past the
 # evicted token so the next grant (and every guarded write) outranks it.
 # KEYS: lease hash, fence counter
-# Returns the new fence value.
+# ARGV: [token]: evict only the lease granted with this token, if it is not
+#       released (nothing changes otherwise)
+# Returns the new fence value, or false (nil) when the token did not match.
 EVICT = """
+if ARGV[1] then
+  local h = redis.call('HMGET', KEYS[1], 'token', 'released')
+  if h[1] ~= ARGV[1] or h[2] then return false end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 redis.call('DEL', KEYS[1])
@@ -394,12 +426,15 @@ class RedisLeaseStore(LeaseStore):
                 records.append(record)
         return records
 
-    def do_evict(self, key: str) -> LeaseRecord | None:
+    def do_evict(self, key: str, token: int | None = None) -> LeaseRecord | None:
         before = self.do_inspect(key)
+        args = [] if token is None else [str(token)]
         try:
-            self._run(self._evict, [self.lease_name(key), self.fence_name(key)], [])
+            fence = self._run(self._evict, [self.lease_name(key), self.fence_name(key)], args)
         except RedisError as e:
             raise self._translate(e) from e
+        if fence is None:  # not the expected token: nothing was changed
+            return None
         return before if before is not None and before.live else None
 
     def do_fence_token(self, key: str) -> int:

@@ -260,16 +260,23 @@ class SQLLeaseStore(LeaseStore):
         # SQLite's LIKE ignores ASCII case: keep only the literal prefix matches.
         return [_record(r) for r in rows if r.lease_key.startswith(prefix)]
 
-    def do_evict(self, key: str) -> LeaseRecord | None:
+    def do_evict(self, key: str, token: int | None = None) -> LeaseRecord | None:
         before = self.do_inspect(key)
         with self.db.transaction() as conn:
             if not self.db.is_sqlite:
+                # The fence row lock orders this against claims of the key.
                 conn.execute(q.stmt(q.PG_ENSURE_FENCES), {"keys": [key]})
                 conn.execute(q.stmt(q.PG_LOCK_FENCES), {"keys": [key]})
             now = self._now(conn)
-            token = int(conn.execute(q.stmt(q.FENCE_TOKEN), {"key": key}).scalar_one())
-            conn.execute(q.stmt(q.EVICT), {"key": key, "now": now})
-            conn.execute(q.stmt(q.RAISE_FENCE), {"key": key, "token": token + 1, "now": now})
+            fence = int(conn.execute(q.stmt(q.FENCE_TOKEN), {"key": key}).scalar_one())
+            if token is None:
+                conn.execute(q.stmt(q.EVICT), {"key": key, "now": now})
+            elif not conn.execute(
+                q.stmt(q.EVICT_TOKEN), {"key": key, "token": token, "now": now}
+            ).rowcount:
+                conn.rollback()  # not that token's lease (any more): nothing changes
+                return None
+            conn.execute(q.stmt(q.RAISE_FENCE), {"key": key, "token": fence + 1, "now": now})
         return before if before is not None and before.live else None
 
     def do_fence_token(self, key: str) -> int:

@@ -1,0 +1,113 @@
+"""The lease-store contract, part two: TTL limits and evict by token, on every store.
+
+Run like tests/test_store_contract.py (same stores, same real servers), kept
+apart so neither module grows past a readable size:
+
+* a TTL up to :data:`celery_lease.stores.base.MAX_TTL` (one year) is granted,
+  renewed and read back by ``inspect()`` exactly; a larger one is refused with
+  :class:`LeaseConfigError` before anything is written (no lease record, no
+  fence);
+* ``evict(key, token=...)`` evicts only the lease granted with that token: with
+  a stale token (the key released, or granted again since) nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from celery_lease import LeaseConfigError, LeaseStore
+from celery_lease.stores.base import MAX_TTL
+from tests.etcd_cluster import etcd_cluster, etcd_url  # noqa: F401 - fixtures
+from tests.store_fixtures import ALL_STORE_KINDS, new_key, store_url
+from tests.test_store_contract import A, B, claim_ok, resolution, state
+
+pytestmark = pytest.mark.timeout(60)
+
+#: Over the maximum: just past it, where Redis wrote ``expires`` in exponent
+#: form (1e11 s), and where its PEXPIRE failed after HSET had run (1e16 s).
+TOO_LONG = (MAX_TTL + 1, 1e11, 1e16)
+
+
+@pytest.fixture(params=ALL_STORE_KINDS)
+def store(request: pytest.FixtureRequest) -> Iterator[LeaseStore]:
+    s = LeaseStore.from_url(store_url(request, request.param))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def test_the_maximum_ttl_is_granted_renewed_and_inspected_exactly(store: LeaseStore) -> None:
+    assert MAX_TTL == 365 * 24 * 3600
+    key = new_key("max-ttl")
+    lease = claim_ok(store, key, A, ttl=MAX_TTL)
+    assert lease.ttl == MAX_TTL
+    assert lease.expires_at == pytest.approx(lease.acquired_at + MAX_TTL, abs=resolution(store))
+    for _ in range(2):  # as granted, then as renewed
+        record = store.inspect(key)
+        assert record is not None and record.live
+        assert (record.owner_id, record.token, record.ttl) == (A, lease.token, MAX_TTL)
+        assert record.expires_at == pytest.approx(record.now + MAX_TTL, abs=5 + resolution(store))
+        assert store.list(key)[0].ttl == MAX_TTL
+        assert store.renew(lease, ttl=MAX_TTL) is True
+    assert store.release(lease) is True
+
+
+@pytest.mark.parametrize("ttl", TOO_LONG)
+def test_a_ttl_over_the_maximum_is_refused_before_anything_is_written(
+    store: LeaseStore, ttl: float
+) -> None:
+    key = new_key("too-long")
+    with pytest.raises(LeaseConfigError, match=r"ttl must be at most 31536000 seconds"):
+        store.claim(key, owner_id=A, ttl=ttl)
+    with pytest.raises(LeaseConfigError, match=r"at most 31536000"), store.hold(key, ttl=ttl):
+        pytest.fail(f"hold() accepted ttl={ttl}")
+    assert store.inspect(key) is None, "a refused claim wrote a record"
+    assert store.fence_token(key) == 0, "a refused claim advanced the fence"
+
+    # A renewal to such a TTL is refused too, and leaves the lease as it was.
+    lease = claim_ok(store, key, A, ttl=30)
+    before = store.inspect(key)
+    with pytest.raises(LeaseConfigError, match=r"at most 31536000"):
+        store.renew(lease, ttl=ttl)
+    after = store.inspect(key)
+    assert after is not None and after.ttl == 30
+    assert state(after, store) == state(before, store)
+
+
+def test_evict_with_a_stale_token_changes_nothing(store: LeaseStore) -> None:
+    key = new_key("evict-token")
+    first = claim_ok(store, key, A)
+    assert store.release(first) is True
+    second = claim_ok(store, key, B)
+    assert second.token > first.token
+    fence, before = store.fence_token(key), store.inspect(key)
+
+    # The first owner's token (read before its release): not the current lease.
+    assert store.evict(key, token=first.token) is None
+    # A token never issued for the key (larger than any): nothing either.
+    assert store.evict(key, token=second.token + 10**6) is None
+    after = store.inspect(key)
+    assert state(after, store) == state(before, store), "a stale-token evict changed the lease"
+    assert store.fence_token(key) == fence, "a stale-token evict advanced the fence"
+    assert store.renew(second) is True, "the current owner lost its lease"
+
+    # Its own token evicts the current lease, and advances the fence past it.
+    evicted = store.evict(key, token=second.token)
+    assert evicted is not None and (evicted.owner_id, evicted.token) == (B, second.token)
+    assert store.renew(second) is False
+    assert store.fence_token(key) > second.token
+
+    # A released lease is not evicted by its token: nothing changes.
+    third = claim_ok(store, key, A)
+    assert store.release(third) is True
+    fence = store.fence_token(key)
+    assert store.evict(key, token=third.token) is None
+    assert store.fence_token(key) == fence
+    assert claim_ok(store, key, B).token > third.token
+
+    for bad in (0, -1, True, "7", 1.5):
+        with pytest.raises(LeaseConfigError):
+            store.evict(key, token=bad)  # type: ignore[arg-type]
