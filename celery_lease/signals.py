@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from celery import bootsteps
 from celery.signals import task_revoked, worker_process_init, worker_process_shutdown
 
-from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
+from celery_lease.exceptions import StoreUnavailable
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -92,27 +92,12 @@ def check_tasks(app: Any, cfg: Config) -> None:
     settings known too. Without this, a mismatch surfaced in every execution,
     after the claim (or as renewals too rare to survive one failure).
     """
-    from celery_lease.config import check_max_ttl, check_renew_interval
     from celery_lease.task import LeasedTask
 
     for name in sorted(app.tasks):
         task = app.tasks[name]
-        if not isinstance(task, LeasedTask):
-            continue
-        opts = task._options(cfg)
-        check_max_ttl(opts.ttl, f"task {name!r}: lease_ttl")
-        if opts.renew_interval is not None:
-            check_renew_interval(
-                opts.renew_interval, opts.ttl, f"task {name!r}: lease_renew_interval"
-            )
-        if cfg.clock_drift is not None and not cfg.clock_drift < opts.ttl:
-            raise LeaseConfigError(
-                f"task {name!r}: lease_clock_drift ({cfg.clock_drift}) must be below the "
-                f"task's lease_ttl ({opts.ttl})"
-            )
-        check_renew_interval(
-            opts.renew_interval, opts.ttl, f"task {name!r}: lease_renew_interval", cfg.clock_drift
-        )
+        if isinstance(task, LeasedTask):
+            task._options(cfg)  # merges and checks them (LeasedTask._make_options)
 
 
 def install(app: Any) -> None:

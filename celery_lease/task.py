@@ -52,6 +52,7 @@ from celery_lease.config import (
     DUPLICATE_POLICIES,
     MODES,
     Config,
+    check_max_ttl,
     check_renew_interval,
     choice,
     config,
@@ -189,6 +190,8 @@ class LeasedTask(Task):  # type: ignore[misc]
                     f"task {cls.name!r}: {attr} must be a positive number of seconds, got "
                     + repr(value)
                 )
+        if cls.lease_ttl is not None:
+            check_max_ttl(cls.lease_ttl, f"task {cls.name!r}: lease_ttl")
         if cls.lease_renew_interval is not None and cls.lease_ttl is not None:
             check_renew_interval(
                 cls.lease_renew_interval, cls.lease_ttl, f"task {cls.name!r}: lease_renew_interval"
@@ -306,10 +309,18 @@ class LeasedTask(Task):  # type: ignore[misc]
         renew = self.lease_renew_interval
         if renew is None and self.lease_ttl is None:
             renew = cfg.renew_interval
-        if renew is not None:
-            # Checked before the claim: a lease granted with a renew interval the
-            # timer refuses would stay blocked until its TTL ran out.
-            check_renew_interval(renew, ttl, f"task {self.name!r}: lease_renew_interval")
+        # Checked before the claim (and for every task at worker start): a lease
+        # granted with a schedule the timer refuses, or whose local view ends
+        # before its first renewal, would stay blocked until its TTL ran out.
+        check_max_ttl(ttl, f"task {self.name!r}: lease_ttl")
+        if cfg.clock_drift is not None and not cfg.clock_drift < ttl:
+            raise LeaseConfigError(
+                f"task {self.name!r}: lease_clock_drift ({cfg.clock_drift}) must be below the "
+                f"task's lease_ttl ({ttl})"
+            )
+        check_renew_interval(
+            renew, ttl, f"task {self.name!r}: lease_renew_interval", cfg.clock_drift
+        )
         return _Options(
             ttl=ttl,
             renew_interval=renew,

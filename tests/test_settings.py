@@ -390,11 +390,17 @@ def test_task_options_checked_against_the_app_settings_at_worker_start(
     check_tasks(task.app, Config.from_app(task.app))
 
 
-def test_a_task_ttl_over_a_year_is_refused_at_worker_start() -> None:
+def test_a_task_ttl_over_a_year_is_refused_when_the_task_is_bound() -> None:
+    with pytest.raises(LeaseConfigError, match=r"task 'proj.suite': lease_ttl must be at most"):
+        _register(lease_ttl=1e11).name  # noqa: B018 - binding the task runs its checks
+
+
+def test_an_app_ttl_over_a_year_is_refused_for_every_task_at_worker_start() -> None:
     from celery_lease.signals import check_tasks
 
-    task = _register(lease_ttl=1e11)
-    with pytest.raises(LeaseConfigError, match=r"task 'proj.suite': lease_ttl must be at most"):
+    task = _register()
+    task.app.conf.lease_ttl = 1e11
+    with pytest.raises(LeaseConfigError, match=r"lease_ttl"):
         check_tasks(task.app, Config.from_app(task.app))
 
 
