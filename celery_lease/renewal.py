@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from celery_lease import metrics
-from celery_lease.exceptions import LeaseConfigError, LeaseLost, StoreUnavailable
+from celery_lease.exceptions import LeaseConfigError, LeaseError, LeaseLost, StoreUnavailable
 
 if TYPE_CHECKING:
     from celery_lease.stores.base import Lease, LeaseStore
@@ -187,8 +188,8 @@ class HeldLease:
         sent = time.monotonic()
         try:
             expires = self.store.renew_many([self.lease])[0]
-        except StoreUnavailable:
-            self.renew_failed(sent)
+        except StoreUnavailable as e:
+            self.renew_failed(sent, str(e))
             # The retry is due sooner than the timer thread may be sleeping for.
             renewer().reschedule(self)
             return self.held
@@ -208,11 +209,15 @@ class HeldLease:
             self.expires_at = expires_at
             self.renewals += 1
 
-    def renew_failed(self, sent: float) -> None:
-        """The store could not be reached: retry soon, until the local view runs out."""
+    def renew_failed(self, sent: float, error: str = "") -> None:
+        """The store did not answer the renewal (``error``, if given, says why):
+        retry soon, until the local view runs out."""
         with self._lock:
             if time.monotonic() >= self.valid_until:
-                self.mark_lost("the store stayed unreachable until the lease's validity ran out")
+                self.mark_lost(
+                    "the store stayed unreachable until the lease's validity ran out"
+                    + (f" (last error: {error})" if error else "")
+                )
             else:
                 self.next_renewal = sent + retry_delay(self.renew_interval)
 
@@ -298,6 +303,8 @@ class Renewer:
         #: Times the thread woke up (notified or timed out): a short task should
         #: not cost one.
         self.wakeups = 0
+        #: Times a failed thread was replaced (see :meth:`_run`).
+        self.restarts = 0
 
     def add(self, held: HeldLease) -> None:
         with self._cond:
@@ -338,7 +345,35 @@ class Renewer:
         with self._cond:
             return list(self._leases)
 
-    def _run(self) -> None:
+    def _run(self, delay: float = 0.0) -> None:
+        if delay:
+            time.sleep(delay)  # a predecessor failed: no tight loop of failing cycles
+        try:
+            self._loop()
+        finally:
+            # _loop never returns: this is an exception (a bug, or an on_lost
+            # callback that raised) ending the thread. It goes on to
+            # threading.excepthook; a new thread takes over, so the process's
+            # other leases are still renewed.
+            self._replace_thread()
+
+    def _replace_thread(self) -> None:
+        logger.error(
+            "the lease renewal thread failed; a new one takes over",
+            exc_info=sys.exc_info(),
+            extra={"action": "renewer_failed"},
+        )
+        with self._cond:
+            if self._thread is not threading.current_thread() or self.pid != os.getpid():
+                return
+            self.restarts += 1
+            self._wake_at = None
+            self._thread = threading.Thread(
+                target=self._run, args=(_RESTART_DELAY,), name="celery-lease-renewer", daemon=True
+            )
+            self._thread.start()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 now = time.monotonic()
@@ -377,17 +412,27 @@ class Renewer:
             sent = time.monotonic()
             try:
                 answers = group[0].store.renew_many([h.lease for h in group])
-            except StoreUnavailable as e:
+            except LeaseError as e:
+                # Unreachable, or an error reply (StoreUnavailable or not): the
+                # leases are not lost for it, the renewal is retried soon, until
+                # their local view runs out.
                 logger.warning(
-                    "lease renewal failed, will retry: %s", e, extra={"action": "renew_retry"}
+                    "lease renewal failed, will retry: %s: %s",
+                    type(e).__name__,
+                    e,
+                    extra={"action": "renew_retry"},
                 )
                 metrics.renewals.labels("error").inc(len(group))
                 for h in group:
-                    h.renew_failed(sent)
+                    h.renew_failed(sent, f"{type(e).__name__}: {e}")
                 continue
             for h, expires in zip(group, answers):
                 metrics.renewals.labels("lost" if expires is None else "renewed").inc()
                 h.renewed(sent, expires)
+
+
+#: Seconds a replacement renewal thread waits before its first cycle.
+_RESTART_DELAY = 0.2
 
 
 def _due_at(held: HeldLease) -> float:

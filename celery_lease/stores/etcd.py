@@ -106,8 +106,18 @@ __all__ = ["EtcdLeaseStore", "parse_endpoints"]
 
 DEFAULT_PORT = 2379
 DEFAULT_TIMEOUT = 5.0
-#: gRPC status codes (etcd's JSON errors carry them) that mean "try again".
-_TRANSIENT_CODES = frozenset({4, 8, 10, 14})  # DEADLINE_EXCEEDED, EXHAUSTED, ABORTED, UNAVAILABLE
+#: The gRPC status codes (etcd's JSON errors carry them) that mean "not now"
+#: (StoreUnavailable), with the reason the error names; any other code is
+#: LeaseError (NOT_FOUND, a lease that is gone, is handled by the callers).
+#: Errors without a code are decided by their class (see ``errors``).
+_TRANSIENT_CODES: dict[int, str] = {
+    1: "the request was cancelled (a member stopping?)",  # CANCELLED
+    4: "the request timed out (a leader election, a slow quorum)",  # DEADLINE_EXCEEDED
+    8: "the cluster refuses writes (space quota alarm) or too many requests",  # EXHAUSTED
+    10: "the request was aborted",  # ABORTED
+    13: "a member's internal error",  # INTERNAL
+    14: "no leader, the leader changed, or the member is not ready",  # UNAVAILABLE
+}
 _NOT_FOUND = 5
 _OPTION_ALIASES = {
     "ssl_ca_certs": "ca_cert",
@@ -626,15 +636,20 @@ class EtcdLeaseStore(LeaseStore):
         """Translate etcd3gw errors into celery-lease's (the one place that does)."""
         try:
             yield
-        except (ConnectionFailedError, ConnectionTimeoutError, InternalServerError) as e:
-            raise StoreUnavailable(f"etcd {redact_url(self.url)} unavailable: {_detail(e)}") from e
         except Etcd3Exception as e:
             code = _code(e)
             if code == _NOT_FOUND:
                 raise _NotFound(_detail(e)) from e
-            if code in _TRANSIENT_CODES:
-                raise StoreUnavailable(f"etcd {redact_url(self.url)}: {_detail(e)}") from e
-            raise LeaseError(f"etcd {redact_url(self.url)}: {_detail(e)}") from e
+            where = redact_url(self.url)
+            reason = _TRANSIENT_CODES.get(code) if code is not None else None
+            if reason is None and isinstance(
+                e, (ConnectionFailedError, ConnectionTimeoutError, InternalServerError)
+            ):
+                # No connection, HTTP 503/504/500 without a gRPC status, a timeout
+                reason = "unreachable"
+            if reason is not None:
+                raise StoreUnavailable(f"etcd {where} unavailable: {reason}: {_detail(e)}") from e
+            raise LeaseError(f"etcd {where}: {_detail(e)}") from e
         except ValueError as e:  # a reply that is not JSON: not an etcd gateway
             raise LeaseError(f"etcd {redact_url(self.url)}: unexpected reply: {e}") from e
 

@@ -35,8 +35,18 @@ from typing import Any
 
 import redis
 from redis.commands.core import Script
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    MasterDownError,
+    NoScriptError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_lease.exceptions import LeaseConfigError, LeaseError, StoreUnavailable
@@ -466,14 +476,69 @@ class RedisLeaseStore(LeaseStore):
             raise self._translate(e) from e
 
     def _translate(self, e: RedisError) -> LeaseError:
-        """celery-lease's error for a redis-py one (the one place that decides)."""
-        if isinstance(e, (RedisConnectionError, RedisTimeoutError, ReadOnlyError)):
-            return StoreUnavailable(f"Redis {redact_url(self.url)} unavailable: {e}")
-        if isinstance(e, ResponseError) and str(e).startswith(
-            ("LOADING", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN", "OOM")
-        ):
-            return StoreUnavailable(f"Redis {redact_url(self.url)}: {e}")
-        return LeaseError(f"Redis {redact_url(self.url)}: {e}")
+        """celery-lease's error for a redis-py one (the one place that decides, by
+        :data:`RETRYABLE_REPLIES` and the error's class)."""
+        url = redact_url(self.url)
+        code, reply = server_reply(e)
+        reason = RETRYABLE_REPLIES.get(code) if code is not None else None
+        if reason is not None:
+            return StoreUnavailable(f"Redis {url} unavailable: {reason}: {reply}")
+        if isinstance(e, (RedisConnectionError, RedisTimeoutError)):
+            return StoreUnavailable(f"Redis {url} unavailable: {reply}")
+        return LeaseError(f"Redis {url}: {reply}")
+
+
+#: The error replies that mean "not now" (StoreUnavailable: the caller retries
+#: within the lease's validity, a task defers), by reply code, with the reason
+#: the error names. Any other error reply (WRONGTYPE, NOPERM, an error raised in
+#: a script, MOVED/ASK from a Cluster node a standalone client cannot follow)
+#: is LeaseError: retrying would meet it again. Connection errors and timeouts
+#: are StoreUnavailable by their class.
+RETRYABLE_REPLIES: dict[str, str] = {
+    "OOM": "the server is out of memory (maxmemory reached, nothing evictable)",
+    "MISCONF": "the server refuses writes since an RDB save failed (stop-writes-on-bgsave-error)",
+    "LOADING": "the server is loading its dataset",
+    "READONLY": "the server is a read-only replica (a failover moved the primary?)",
+    "BUSY": "the server is busy running a script or function",
+    "MASTERDOWN": "the replica lost its primary and serves no stale data",
+    "NOREPLICAS": "too few replicas acknowledge writes (min-replicas-to-write)",
+    "TRYAGAIN": "the key's Cluster slot is being migrated",
+    "CLUSTERDOWN": "the Cluster does not serve the key's slot",
+}
+
+#: The reply code of the redis-py classes that strip it from the message
+#: (redis-py < 8 does not keep it in ``status_code``); subclasses first.
+_CODE_OF_CLASS: tuple[tuple[type[RedisError], str], ...] = (
+    (MasterDownError, "MASTERDOWN"),
+    (ClusterDownError, "CLUSTERDOWN"),
+    (TryAgainError, "TRYAGAIN"),
+    (OutOfMemoryError, "OOM"),
+    (ReadOnlyError, "READONLY"),
+    (BusyLoadingError, "LOADING"),
+    (NoScriptError, "NOSCRIPT"),
+)
+
+
+def server_reply(e: RedisError) -> tuple[str | None, str]:
+    """The code of the server's error reply behind ``e`` (``OOM``, ``BUSY``...;
+    None for a client-side error) and the reply as the server sent it.
+
+    redis-py turns the replies it knows into classes and strips their code from
+    the message (keeping it in ``status_code`` from redis-py 8 on); any other
+    reply is a plain ResponseError whose message still starts with its code.
+    """
+    text = str(e.args[0]) if e.args else str(e)
+    code = getattr(e, "status_code", None)
+    if isinstance(code, str) and code:
+        return code, f"{code} {text}"
+    for cls, name in _CODE_OF_CLASS:
+        if isinstance(e, cls):
+            return name, f"{name} {text}"
+    if isinstance(e, ResponseError):
+        word = text.split(" ", 1)[0]
+        if word.isalpha() and word.isupper():
+            return word, text
+    return None, str(e)
 
 
 def _roundtrip(conn: Any, command: tuple[Any, ...], script: Script | None) -> Any:
