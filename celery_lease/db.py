@@ -337,6 +337,15 @@ class Database:
         """
         return Conn(self, *self._pool.get(), transaction=self.is_sqlite)
 
+    def read(self) -> Conn:
+        """``with db.read() as conn``: one read-only statement, autocommit on both.
+
+        On SQLite it takes no write lock, so it never waits for a writer (WAL):
+        ``fencing.guard`` asks the store from inside the caller's own write
+        transaction, which may be on this very file.
+        """
+        return Conn(self, *self._pool.get(), transaction=False)
+
     # -- the PostgreSQL hot path ---------------------------------------------
 
     def pg_first(self, sql: str, params: Mapping[str, Any]) -> Any:

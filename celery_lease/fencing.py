@@ -2,10 +2,11 @@
 
 A lease tells a worker it *may* act; a fence makes a stale worker's write
 fail where it lands. Call :func:`guard` inside your own SQLAlchemy
-transaction, right before the protected write::
+transaction, right before the protected write (and before reading what it
+changes), with the lease itself::
 
     with engine.begin() as conn:
-        fencing.guard(conn, f"account:{account_id}", self.lease.token)
+        fencing.guard(conn, f"account:{account_id}", self.lease)
         conn.execute(update(accounts).where(...).values(balance=accounts.c.balance + delta))
 
 ``guard`` records the token in ``celery_lease_fences`` for that resource and
@@ -14,14 +15,29 @@ fence row stays locked until your transaction ends, so two guarded writes to
 one resource serialize, and a stale one can never land after a newer one.
 The same token may write several times (a retry of the same grant).
 
+Given the lease (a :class:`~celery_lease.HeldLease`: ``self.lease`` in a task,
+the lease of ``store.hold()``; or a :class:`~celery_lease.Lease` with
+``store=``), ``guard`` then asks the lease store, while your transaction
+holds the fence row, whether the lease is still the key's current grant, and
+refuses it if not. That refuses an old owner that resumes while the new owner
+is still working and has not written yet, whatever the store and whichever
+database the fence is in: a write accepted with token n comes before every
+guarded write of a newer owner to that resource (they wait for the fence
+row), and once the lease has lapsed in the store, token n is refused. It costs one
+``store.inspect`` per key of the lease (one round trip on Redis and the SQL
+stores, two on etcd) per guard, and nothing on the claim.
+
+Given only a token (an ``int``), ``guard`` compares with the newest token
+*seen in that fence row*: it refuses the old owner only after a newer token
+was recorded there. A claim records it there only when the leases live in
+that database (the SQL stores register every claim in the key's fence row)
+or when a committing task's claim registered it (``lease_commit=True``, the
+result database, the lease's key as the resource). Pass the lease otherwise.
+
 For an HTTP service, send the token and key with the request
 (:func:`headers`: ``Fencing-Token`` and ``Fencing-Key``) and have the service
 keep the highest token per resource and refuse lower ones: the same rule,
 enforced where the side effect lands.
-
-Use the lease's key as the resource name to share the fence the lease store
-already registers at each claim: a claim then fences out the previous
-owner's writes even before the new owner writes anything.
 """
 
 from __future__ import annotations
@@ -32,37 +48,99 @@ from sqlalchemy import Connection, text
 
 from celery_lease import db as q
 from celery_lease.exceptions import LeaseConfigError, StaleFencingToken
+from celery_lease.renewal import HeldLease
+from celery_lease.stores.base import Lease, LeaseStore
 
 __all__ = ["current", "guard", "headers"]
 
 
-def guard(connection: Connection, resource: str, token: int) -> None:
+def guard(
+    connection: Connection,
+    resource: str,
+    token: int | HeldLease | Lease,
+    *,
+    store: LeaseStore | None = None,
+) -> None:
     """Accept ``token`` for ``resource`` in the caller's transaction, or raise.
 
-    Raises :class:`StaleFencingToken` when a newer token has been seen for
-    ``resource``. Needs the celery-lease tables in that database
-    (``celery_lease.migrate(url)``).
+    ``token``: the lease (a :class:`HeldLease`, or a :class:`Lease` with
+    ``store=`` its lease store), or its bare token (see the module's doc for
+    what a bare token cannot see). Raises :class:`StaleFencingToken` when a
+    newer token has been seen for ``resource`` or, given a lease, when the
+    lease store no longer grants that lease (it lapsed, was released or was
+    evicted, or another owner claimed the key); :class:`StoreUnavailable` when
+    the store cannot answer (the caller's transaction then rolls back). Needs
+    the celery-lease tables in that database (``celery_lease.migrate(url)``).
     """
+    held: HeldLease | None = None
+    lease: Lease | None = None
+    if isinstance(token, HeldLease):
+        held, lease = token, token.lease
+        store = store or token.store
+    elif isinstance(token, Lease):
+        lease = token
+        if store is None:
+            raise LeaseConfigError(
+                "fencing.guard needs the lease store to check a Lease: pass store=, "
+                "or the HeldLease (self.lease in a task, the lease of store.hold())"
+            )
+    elif store is not None:
+        raise LeaseConfigError("fencing.guard: store= is for checking a Lease, not a bare token")
+    value = lease.token if lease is not None else token
     if not isinstance(resource, str) or not resource:
         raise LeaseConfigError(f"a fenced resource is a non-empty string, got {resource!r}")
-    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-        raise LeaseConfigError(f"a fencing token is a non-negative integer, got {token!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LeaseConfigError(f"a fencing token is a non-negative integer, got {value!r}")
     now = q.NOW.get(connection.dialect.name)
     if now is None:
         raise LeaseConfigError(
             f"fencing.guard supports PostgreSQL and SQLite, not {connection.dialect.name!r}"
         )
     row = connection.execute(
-        text(q.GUARD.format(now=now)), {"resource": resource, "token": token}
+        text(q.GUARD.format(now=now)), {"resource": resource, "token": value}
     ).first()
     if row is None:
         newest = connection.execute(text(q.GUARD_CURRENT), {"resource": resource}).scalar()
         raise StaleFencingToken(
             resource,
-            token,
+            value,
             None if newest is None else int(newest),
             "a newer token has written to this resource",
         )
+    if lease is not None:
+        assert store is not None
+        # Asked only now, while this transaction holds the fence row: a newer
+        # owner's guarded write waits for it, so what the store says here
+        # stays true for every write of this transaction relative to theirs.
+        _still_granted(resource, lease, store, held)
+
+
+def _still_granted(resource: str, lease: Lease, store: LeaseStore, held: HeldLease | None) -> None:
+    """Raise :class:`StaleFencingToken` unless ``store`` still grants ``lease``."""
+    if held is not None and not held.held:
+        # The local view gave up (lost, released, or out of validity): no store
+        # answer can make acting on it safe.
+        raise StaleFencingToken(
+            resource,
+            lease.token,
+            None,
+            f"the lease is no longer held: {held.lost_reason or 'released or run out'}",
+        )
+    for key in lease.keys:
+        record = store.inspect(key)
+        if (
+            record is None
+            or not record.live
+            or record.owner_id != lease.owner_id
+            or record.token != lease.token
+        ):
+            raise StaleFencingToken(
+                resource,
+                lease.token,
+                None if record is None else record.token,
+                f"the lease store no longer grants this lease on {key!r} "
+                "(it lapsed or was released, evicted or claimed by a newer owner)",
+            )
 
 
 def current(connection: Connection, resource: str) -> int | None:

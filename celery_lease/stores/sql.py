@@ -243,7 +243,7 @@ class SQLLeaseStore(LeaseStore):
     # -- reading -----------------------------------------------------------
 
     def do_inspect(self, key: str) -> LeaseRecord | None:
-        with self.db.single() as conn:
+        with self.db.read() as conn:
             row = conn.execute(q.stmt(q.INSPECT.format(now=self.db.now_sql)), {"key": key}).one()
         if row.lease_key is None:
             if row.fence is None:
