@@ -1102,7 +1102,7 @@ SWEEP_RESULTS = "DELETE FROM celery_lease_results WHERE accepted_at < :cutoff"
 SWEEP_KEEP_FENCES = """
 INSERT INTO celery_lease_fences AS fe (resource, fencing_token, updated_at)
 SELECT lease_key, fencing_token, :now FROM celery_lease_leases
-WHERE expires_at < :cutoff
+WHERE expires_at < :cutoff ORDER BY lease_key
 ON CONFLICT (resource) DO UPDATE SET
     fencing_token = CASE WHEN fe.fencing_token > excluded.fencing_token
                          THEN fe.fencing_token ELSE excluded.fencing_token END

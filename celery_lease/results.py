@@ -49,7 +49,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -590,6 +592,21 @@ class ResultTable:
         _check_seconds("lease_grace", lease_grace)
         if result_expires is not None:
             _check_seconds("result_expires", result_expires)
+        delay, attempts = 0.05, 1
+        while True:
+            try:
+                return self._sweep_once(result_expires, lease_grace)
+            except StoreUnavailable:
+                # A deadlock with a claim: single-key claims lock a lease row,
+                # then its fence row; multi-key claims the fence rows first. No
+                # order of the sweep's avoids both, so it gives way and retries.
+                if attempts >= _SWEEP_ATTEMPTS:
+                    raise
+                attempts += 1
+                time.sleep(delay * random.uniform(0.5, 1.5))
+                delay *= 2
+
+    def _sweep_once(self, result_expires: float | None, lease_grace: float) -> dict[str, int]:
         with self.db.transaction() as conn:
             now = self._now(conn)
             swept_results = 0
@@ -605,6 +622,9 @@ class ResultTable:
             extra={"action": "sweep", "results": swept_results, "leases": swept_leases},
         )
         return {"results": swept_results, "leases": swept_leases}
+
+
+_SWEEP_ATTEMPTS = 5
 
 
 def _check_seconds(name: str, value: Any) -> None:
