@@ -170,8 +170,10 @@ ON CONFLICT (resource) DO UPDATE SET
 #: after a row-lock wait PostgreSQL re-checks the row against the clock read
 #: when the statement started, before the release: ``expires_at >
 #: renewed_at`` is what refuses it then. PostgreSQL: one statement for any
-#: number of leases; ``held`` locks the rows in key order (the same for every
-#: renewal) and sees their latest versions, so the unit check is exact.
+#: number of leases; ``held`` locks the rows of the multi-key leases in key
+#: order and sees their latest versions, so the unit check is exact. Single-key
+#: leases skip it: locking their rows too made a cycle of 10,000 leases about
+#: twice as long (0.26 s against 0.13 s on a private server).
 PG_RENEW_MANY = f"""
 WITH v AS (
     SELECT u.*, count(*) OVER (PARTITION BY u.lease) AS n
@@ -181,7 +183,7 @@ WITH v AS (
 ), t AS (SELECT {NOW["postgresql"]} AS now),
 held AS MATERIALIZED (
     SELECT v.lease, v.n FROM celery_lease_leases AS l JOIN v ON l.lease_key = v.lease_key, t
-    WHERE l.owner_id = v.owner_id AND l.fencing_token = v.fencing_token
+    WHERE v.n > 1 AND l.owner_id = v.owner_id AND l.fencing_token = v.fencing_token
         AND l.expires_at > t.now AND l.expires_at > l.renewed_at
     ORDER BY l.lease_key
     FOR UPDATE OF l
@@ -192,7 +194,9 @@ UPDATE celery_lease_leases AS l
 SET expires_at = t.now + v.ttl, renewed_at = t.now, ttl = v.ttl
 FROM v, t
 WHERE l.lease_key = v.lease_key AND l.owner_id = v.owner_id
-    AND l.fencing_token = v.fencing_token AND v.lease IN (SELECT lease FROM whole)
+    AND l.fencing_token = v.fencing_token
+    AND l.expires_at > t.now AND l.expires_at > l.renewed_at
+    AND (v.n = 1 OR v.lease IN (SELECT lease FROM whole))
 RETURNING l.lease_key, l.owner_id, l.fencing_token, l.expires_at
 """
 #: SQLite, one lease (its keys in ``{keys}``), inside the renewal's write

@@ -580,9 +580,10 @@ def _end_by_commit(store: LeaseStore, held: HeldLease) -> bool:
 ENDINGS = {"release": _end_by_release, "commit": _end_by_commit}
 
 
+@pytest.mark.parametrize("nkeys", [1, 2])
 @pytest.mark.parametrize("ending", sorted(ENDINGS))
 def test_a_renewal_in_flight_never_extends_a_lease_ended_meanwhile(
-    store: LeaseStore, ending: str
+    store: LeaseStore, ending: str, nkeys: int
 ) -> None:
     """Invariant 10: a lease released (or committed with release) while a renewal
     that names it is in flight stays released, in the store and in the local view.
@@ -598,9 +599,14 @@ def test_a_renewal_in_flight_never_extends_a_lease_ended_meanwhile(
             "the result database; elsewhere it calls the store's release (the other case)"
         )
     tag = new_key("")[1:]
-    # Named so the gated lease sorts first: a renewal takes its rows in key order.
-    x = HeldLease(store, claim_ok(store, f"rx-{tag}", A, ttl=30))
-    y = HeldLease(store, claim_ok(store, f"ry-{tag}", A, ttl=30))
+
+    def keys(name: str) -> str | list[str]:
+        return f"{name}-{tag}" if nkeys == 1 else [f"{name}-{tag}-{i}" for i in range(nkeys)]
+
+    # Named and listed so the gated lease comes first: PostgreSQL locks the rows
+    # of multi-key leases in key order, the others in the order named.
+    x = HeldLease(store, claim_ok(store, keys("rx"), A, ttl=30))
+    y = HeldLease(store, claim_ok(store, keys("ry"), A, ttl=30))
     end = ENDINGS[ending]
 
     def renew() -> list[float | None]:
@@ -634,10 +640,11 @@ def test_a_renewal_in_flight_never_extends_a_lease_ended_meanwhile(
         assert answers[1] is None, f"the renewal extended the ended lease to {answers[1]}"
         assert y.renewals == 0 and y.expires_at == y.lease.expires_at, "the local view moved"
 
-    record = store.inspect(y.key)
-    assert is_free(record), f"the ended lease is live again: {record}"
+    for k in y.keys:
+        record = store.inspect(k)
+        assert is_free(record), f"the ended lease is live again: {record}"
     assert not y.held
-    taker = claim_ok(store, y.key, B, ttl=30)
+    taker = claim_ok(store, list(y.keys), B, ttl=30)
     assert taker.token > y.token
     assert x.held and x.renewals == 1
     assert x.release() is True
