@@ -164,25 +164,50 @@ ON CONFLICT (resource) DO UPDATE SET
     updated_at = excluded.updated_at
 """
 
-#: Renew many leases at once: each (key, owner, token) row must still match a
-#: live lease. PostgreSQL: one statement for any number of leases.
+#: Renew many leases at once, each all or nothing: a lease is extended only
+#: if every one of its rows still names its owner and token and is live and
+#: not released. A released row keeps owner and token (see RELEASE_IN), and
+#: after a row-lock wait PostgreSQL re-checks the row against the clock read
+#: when the statement started, before the release: ``expires_at >
+#: renewed_at`` is what refuses it then. PostgreSQL: one statement for any
+#: number of leases; ``held`` locks the rows of the multi-key leases in key
+#: order and sees their latest versions, so the unit check is exact. Single-key
+#: leases skip it: locking their rows too made a cycle of 10,000 leases about
+#: twice as long (0.26 s against 0.13 s on a private server).
 PG_RENEW_MANY = f"""
 WITH v AS (
-    SELECT * FROM unnest(CAST(:keys AS text[]), CAST(:owners AS text[]),
-                         CAST(:tokens AS bigint[]), CAST(:ttls AS double precision[]))
-        AS v(lease_key, owner_id, fencing_token, ttl)
-), t AS (SELECT {NOW["postgresql"]} AS now)
+    SELECT u.*, count(*) OVER (PARTITION BY u.lease) AS n
+    FROM unnest(CAST(:leases AS int[]), CAST(:keys AS text[]), CAST(:owners AS text[]),
+                CAST(:tokens AS bigint[]), CAST(:ttls AS double precision[]))
+        AS u(lease, lease_key, owner_id, fencing_token, ttl)
+), t AS (SELECT {NOW["postgresql"]} AS now),
+held AS MATERIALIZED (
+    SELECT v.lease, v.n FROM celery_lease_leases AS l JOIN v ON l.lease_key = v.lease_key, t
+    WHERE v.n > 1 AND l.owner_id = v.owner_id AND l.fencing_token = v.fencing_token
+        AND l.expires_at > t.now AND l.expires_at > l.renewed_at
+    ORDER BY l.lease_key
+    FOR UPDATE OF l
+), whole AS (
+    SELECT lease FROM held GROUP BY lease, n HAVING count(*) = n
+)
 UPDATE celery_lease_leases AS l
 SET expires_at = t.now + v.ttl, renewed_at = t.now, ttl = v.ttl
 FROM v, t
 WHERE l.lease_key = v.lease_key AND l.owner_id = v.owner_id
-    AND l.fencing_token = v.fencing_token AND l.expires_at > t.now
+    AND l.fencing_token = v.fencing_token
+    AND l.expires_at > t.now AND l.expires_at > l.renewed_at
+    AND (v.n = 1 OR v.lease IN (SELECT lease FROM whole))
 RETURNING l.lease_key, l.owner_id, l.fencing_token, l.expires_at
 """
-RENEW_ONE = """
+#: SQLite, one lease (its keys in ``{keys}``), inside the renewal's write
+#: transaction: all its rows or none (the count is read before any is changed).
+RENEW_LEASE = """
 UPDATE celery_lease_leases SET expires_at = :now + :ttl, renewed_at = :now, ttl = :ttl
-WHERE lease_key = :key AND owner_id = :owner_id AND fencing_token = :token
-    AND expires_at > :now
+WHERE lease_key IN ({keys}) AND owner_id = :owner_id AND fencing_token = :token
+    AND expires_at > :now AND expires_at > renewed_at
+    AND (SELECT count(*) FROM celery_lease_leases
+         WHERE lease_key IN ({keys}) AND owner_id = :owner_id AND fencing_token = :token
+             AND expires_at > :now AND expires_at > renewed_at) = :n
 RETURNING lease_key, expires_at
 """
 #: Release keeps the row (and its token) and marks it released: expires_at =

@@ -197,8 +197,15 @@ class HeldLease:
         return expires is not None
 
     def renewed(self, sent: float, expires_at: float | None) -> None:
-        """Apply a renewal's answer (called by the renewer or :meth:`renew`)."""
+        """Apply a renewal's answer (called by the renewer or :meth:`renew`).
+
+        An answer that arrives after the lease was released (or committed) is
+        ignored: the renewal was sent before, and whatever the store said then,
+        the lease is over.
+        """
         with self._lock:
+            if self.released:
+                return
             if expires_at is None:
                 self.mark_lost("renewal refused: the lease expired or another owner took it")
                 return

@@ -118,6 +118,41 @@ def test_renew_due_renews_100_leases_in_one_round_trip(lease_redis: RedisServer)
         client.close()
 
 
+def test_a_renewal_answer_arriving_after_release_moves_nothing(lease_redis: RedisServer) -> None:
+    """Invariant 10, local view: the renewer applies a renewal's answer after the
+    store call returns; if the lease was released meanwhile, the answer (yes or
+    no) changes neither ``held`` nor the expiry, and runs no lost callback."""
+    store = RedisLeaseStore(lease_redis.url(0))
+    lost: list[str] = []
+    try:
+        for answer_kind in ("renewed", "refused"):
+            lease = store.claim(f"late-{answer_kind}", ttl=30, owner_id="owner-late")
+            assert lease is not None
+            held = HeldLease(store, lease, on_lost=lambda h, reason: lost.append(reason))
+            valid_until = held.valid_until
+            since = lease.acquired_at + 0.01
+            wait_for(lambda t=since: store.time() > t, 5, "store time")
+            sent = time.monotonic()
+            # The renewal the renewer sent, answered before the release...
+            [answer] = store.renew_many([lease], ttl=60)
+            assert answer is not None and answer > lease.expires_at
+            assert held.release() is True
+            # ...and applied after it (a "refused" answer: what the store says now).
+            if answer_kind == "refused":
+                [answer] = store.renew_many([lease], ttl=60)
+                assert answer is None
+            held.renewed(sent, answer)
+            assert not held.held
+            assert (held.expires_at, held.valid_until, held.renewals) == (
+                lease.expires_at,
+                valid_until,
+                0,
+            ), f"the {answer_kind} answer moved the released lease's local view"
+            assert held.lost_reason is None and lost == []
+    finally:
+        store.close()
+
+
 def test_renewer_thread_batches_leases_claimed_at_different_times(lease_redis: RedisServer) -> None:
     """100 leases claimed spread over a whole renewal interval end up on one schedule."""
     ttl, interval = 1.5, 0.5

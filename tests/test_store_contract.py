@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -31,7 +32,10 @@ from celery_lease import (
     LeaseRecord,
     LeaseStore,
 )
+from celery_lease.results import ResultTable
+from celery_lease.stores.sql import SQLLeaseStore
 from tests.etcd_cluster import etcd_cluster, etcd_url  # noqa: F401 - fixtures
+from tests.inflight import gate
 from tests.store_fixtures import (
     ALL_STORE_KINDS,
     new_key,
@@ -554,3 +558,118 @@ def test_bad_input_raises_lease_config_error(store: LeaseStore) -> None:
 def test_unknown_or_unusable_store_urls_raise_lease_config_error(url: str) -> None:
     with pytest.raises(LeaseConfigError):
         LeaseStore.from_url(url)
+
+
+# --------------------------------------------------------------------------
+# a renewal in flight, and multi-key renewal after a loss
+# --------------------------------------------------------------------------
+
+
+def _end_by_release(store: LeaseStore, held: HeldLease) -> bool:
+    return held.release()
+
+
+def _end_by_commit(store: LeaseStore, held: HeldLease) -> bool:
+    # What a task does: renewals go on through the commit, which releases the lease.
+    held.silence()
+    ResultTable(store.url, store).commit(held.lease, {"done": held.key})
+    held.released = True
+    return True
+
+
+ENDINGS = {"release": _end_by_release, "commit": _end_by_commit}
+
+
+@pytest.mark.parametrize("nkeys", [1, 2])
+@pytest.mark.parametrize("ending", sorted(ENDINGS))
+def test_a_renewal_in_flight_never_extends_a_lease_ended_meanwhile(
+    store: LeaseStore, ending: str, nkeys: int
+) -> None:
+    """Invariant 10: a lease released (or committed with release) while a renewal
+    that names it is in flight stays released, in the store and in the local view.
+
+    The renewal batch names two leases; a lock held from another connection
+    (tests/inflight.py) holds it in flight on the first while the second is
+    ended. Redis and etcd run each operation atomically: there the renewal,
+    sent with the old lease, arrives after the release.
+    """
+    if ending == "commit" and not isinstance(store, SQLLeaseStore):
+        pytest.skip(
+            "the commit releases in the statement that checks the lease only for leases in "
+            "the result database; elsewhere it calls the store's release (the other case)"
+        )
+    tag = new_key("")[1:]
+
+    def keys(name: str) -> str | list[str]:
+        return f"{name}-{tag}" if nkeys == 1 else [f"{name}-{tag}-{i}" for i in range(nkeys)]
+
+    # Named and listed so the gated lease comes first: PostgreSQL locks the rows
+    # of multi-key leases in key order, the others in the order named.
+    x = HeldLease(store, claim_ok(store, keys("rx"), A, ttl=30))
+    y = HeldLease(store, claim_ok(store, keys("ry"), A, ttl=30))
+    end = ENDINGS[ending]
+
+    def renew() -> list[float | None]:
+        # The renewer's cycle (renewal.Renewer.renew_due), keeping the answers.
+        sent = time.monotonic()
+        answers = store.renew_many([x.lease, y.lease], ttl=60)
+        for h, expires in zip((x, y), answers):
+            h.renewed(sent, expires)
+        return answers
+
+    ending_done: Future[bool] | None = None
+    with ThreadPoolExecutor(2) as pool, gate(store, x.key) as in_flight:
+        if in_flight is None:
+            assert end(store, y) is True
+        renewing = pool.submit(renew)
+        if in_flight is not None:
+            in_flight.wait_blocked()
+            ending_done = pool.submit(end, store, y)
+            if in_flight.row_level:
+                # Ended while the renewal waits, after it read its clock.
+                assert ending_done.result(timeout=20) is True
+                assert not renewing.done()
+        # Leaving the block opens the gate: the renewal goes on.
+    answers = renewing.result(timeout=30)
+    assert ending_done is None or ending_done.result(timeout=30) is True
+    assert answers[0] is not None, "the other lease of the batch was not renewed"
+    # SQLite lets the renewal and the release go one after the other, in either
+    # order: a renewal served first may answer yes, and the release follows.
+    ordered = in_flight is None or in_flight.row_level
+    if ordered:
+        assert answers[1] is None, f"the renewal extended the ended lease to {answers[1]}"
+        assert y.renewals == 0 and y.expires_at == y.lease.expires_at, "the local view moved"
+
+    for k in y.keys:
+        record = store.inspect(k)
+        assert is_free(record), f"the ended lease is live again: {record}"
+    assert not y.held
+    taker = claim_ok(store, list(y.keys), B, ttl=30)
+    assert taker.token > y.token
+    assert x.held and x.renewals == 1
+    assert x.release() is True
+
+
+@pytest.mark.parametrize("how", ["evicted", "taken-over"])
+def test_multi_key_renewal_after_one_key_is_lost_extends_no_key(
+    store: LeaseStore, other_store: LeaseStore, how: str
+) -> None:
+    """A multi-key lease renews as a unit: once one key is gone, the renewal
+    answers lost and leaves every key's expiry where it was."""
+    k1, k2, k3 = (new_key(p) for p in ("ma", "mb", "mc"))
+    lease = claim_ok(store, [k1, k2, k3], A, ttl=10)
+    assert other_store.evict(k2) is not None
+    taker = claim_ok(other_store, k2, B, ttl=10) if how == "taken-over" else None
+    before = {k: state(store.inspect(k)) for k in (k1, k2, k3)}
+    # Past the store's resolution, so that an extension would show in inspect.
+    moved = 0.05 + resolution(store)
+    wait_for(lambda: store.time() > lease.acquired_at + moved, 5, "store clock to advance")
+
+    assert store.renew_many([lease], ttl=60) == [None]
+    assert store.renew(lease) is False
+    after = {k: state(store.inspect(k), store) for k in (k1, k2, k3)}
+    assert after == before, "a lost multi-key lease was extended"
+    if taker is not None:
+        assert after[k2][:2] == (B, taker.token)  # type: ignore[index]
+    else:
+        assert is_free(store.inspect(k2))

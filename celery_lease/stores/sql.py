@@ -189,28 +189,30 @@ class SQLLeaseStore(LeaseStore):
             with self.db.transaction() as conn:
                 now = self._now(conn)
                 for lease, ttl in zip(leases, ttls):
-                    for key in lease.keys:
-                        row = conn.execute(
-                            q.stmt(q.RENEW_ONE),
-                            {
-                                "key": key,
-                                "owner_id": lease.owner_id,
-                                "token": lease.token,
-                                "ttl": ttl,
-                                "now": now,
-                            },
-                        ).first()
-                        if row is not None:
-                            renewed[(key, lease.owner_id, lease.token)] = float(row.expires_at)
+                    placeholders, names = q.in_list("k", len(lease.keys))
+                    params: dict[str, Any] = dict(zip(names, lease.keys))
+                    params.update(
+                        owner_id=lease.owner_id,
+                        token=lease.token,
+                        ttl=ttl,
+                        now=now,
+                        n=len(lease.keys),
+                    )
+                    for row in conn.execute(q.RENEW_LEASE.format(keys=placeholders), params):
+                        renewed[(row.lease_key, lease.owner_id, lease.token)] = float(
+                            row.expires_at
+                        )
         else:
             cols: dict[str, builtins.list[Any]] = {
+                "leases": [],
                 "keys": [],
                 "owners": [],
                 "tokens": [],
                 "ttls": [],
             }
-            for lease, ttl in zip(leases, ttls):
+            for i, (lease, ttl) in enumerate(zip(leases, ttls)):
                 for key in lease.keys:
+                    cols["leases"].append(i)
                     cols["keys"].append(key)
                     cols["owners"].append(lease.owner_id)
                     cols["tokens"].append(lease.token)
