@@ -12,7 +12,8 @@ URLs: ``etcd://host:port[,host:port...]`` (plain HTTP) and
 keyword arguments): ``ca_cert`` / ``cert_cert`` / ``cert_key`` (etcd3gw's
 names; ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile``, the Redis
 store's names, are accepted too), ``timeout`` (seconds per request, default
-5) and ``key_prefix``. Requests go to one member; a member that refuses the
+5), ``max_txn_ops`` (the members' ``--max-txn-ops``, default 128, etcd's
+default) and ``key_prefix``. Requests go to one member; a member that refuses the
 connection is skipped at once, and after any other transport error the next
 request goes to the next member.
 
@@ -22,6 +23,7 @@ Layout, per key (the key as given, UTF-8, no hashing)::
                             root_id, tenant}; attached to the claim's etcd lease
     /{prefix}/fence/<key>   empty; put by every claim and evict, never deleted:
                             its mod_revision is the newest token issued
+    /{prefix}/released/<key>  JSON {"owner", "token"} of the grant released last
 
 Operations, each built on etcd's own primitives:
 
@@ -31,16 +33,13 @@ Operations, each built on etcd's own primitives:
   token is the transaction's revision: the ``mod_revision`` of the keys it
   put. One etcd lease per claim. A refused claim revokes its unused etcd
   lease. A live key held by the *same* owner id is granted again (a claim
-  retried after a lost reply), with a new token, in one transaction.
-- **renew**: the etcd lease's keep-alive. ``renew_many`` reads the lease and
-  fence keys of every lease in one transaction (owner and token checked),
-  then sends one keep-alive per etcd lease: 1 + N requests for N leases.
-  A renewal to a different TTL moves the keys to a new etcd lease (a put with
-  ``ignore_value``), which keeps the token: the token lives in the fence key.
-- **release**: one transaction deleting the lease keys only if each still
-  names this owner (a byte-range compare on the value's ``{"owner":...,``
-  prefix) and its fence key still has this token as ``mod_revision``; then
-  the etcd lease is revoked.
+  retried after a lost reply), with a new token, in one transaction. Two
+  operations per key: a claim of more than ``max_txn_ops // 2`` keys (64 at
+  etcd's default) is refused with :class:`LeaseConfigError`, as all or
+  nothing cannot span transactions.
+- **renew** and **release**: see :mod:`celery_lease.stores.etcd_renew` (the
+  keep-alive, then the ownership read; a compare-and-delete that leaves a
+  marker, so a repeated release answers True).
 - **evict**: one transaction deleting the lease key and putting the fence key,
   so the fence (and every later claim) is past the evicted token; then the
   evicted etcd lease is revoked (freeing the other keys of a multi-key claim).
@@ -79,14 +78,14 @@ import base64
 import builtins
 import json
 import math
-import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from celery_lease.exceptions import LeaseConfigError, LeaseError, StoreUnavailable
 from celery_lease.stores.base import Lease, LeaseRecord, LeaseStore, redact_url
+from celery_lease.stores.etcd_renew import RenewAndRelease
 from celery_lease.stores.etcd_wire import (
     DEFAULT_MAX_TXN_OPS,
     KV,
@@ -100,6 +99,7 @@ from celery_lease.stores.etcd_wire import (
     prefix_end,
     ranges,
     str_or_none,
+    tls_options,
 )
 
 try:
@@ -120,19 +120,12 @@ DEFAULT_TIMEOUT = 5.0
 #: gRPC status codes (etcd's JSON errors carry them) that mean "try again".
 _TRANSIENT_CODES = frozenset({4, 8, 10, 14})  # DEADLINE_EXCEEDED, EXHAUSTED, ABORTED, UNAVAILABLE
 _NOT_FOUND = 5
-_OPTION_ALIASES = {
-    "ssl_ca_certs": "ca_cert",
-    "ssl_certfile": "cert_cert",
-    "ssl_keyfile": "cert_key",
-}
-_FILE_OPTIONS = ("ca_cert", "cert_cert", "cert_key")
-_OTHER_OPTIONS = ("timeout", "max_txn_ops", "key_prefix")
 #: Grants whose etcd lease id this store object remembers (for renewals that
 #: send the keep-alive first, and for revoking after a repeated release).
 _MAX_KNOWN = 10_000
 
 
-class EtcdLeaseStore(LeaseStore):
+class EtcdLeaseStore(RenewAndRelease, LeaseStore):
     """Leases in etcd (see the module docstring for the layout and guarantees)."""
 
     schemes = ("etcd", "etcds")
@@ -176,25 +169,7 @@ class EtcdLeaseStore(LeaseStore):
                 "max_txn_ops must be an integer of at least 3, the etcd servers' "
                 f"--max-txn-ops (etcd's default: {DEFAULT_MAX_TXN_OPS}), got {max_txn_ops!r}"
             )
-        tls: dict[str, str] = {}
-        for name, value in options.items():
-            canonical = _OPTION_ALIASES.get(name, name)
-            if canonical not in _FILE_OPTIONS:
-                raise LeaseConfigError(
-                    f"unknown etcd store option {name!r} (lease_store_options); known: "
-                    f"{', '.join((*_FILE_OPTIONS, *_OPTION_ALIASES, *_OTHER_OPTIONS))}"
-                )
-            if value is None:
-                continue
-            if not isinstance(value, str) or not os.path.exists(value):
-                raise LeaseConfigError(f"etcd store option {name!r}: no such file {value!r}")
-            tls[canonical] = value
-        if tls and protocol != "https":
-            raise LeaseConfigError(
-                f"{redact_url(url)}: TLS options {sorted(tls)} need an etcds:// URL"
-            )
-        if ("cert_cert" in tls) != ("cert_key" in tls):
-            raise LeaseConfigError("a client certificate needs both cert_cert and cert_key")
+        tls = tls_options(url, protocol, options)
         self.prefix = key_prefix
         self.timeout = float(timeout)
         self.endpoints = endpoints
@@ -243,7 +218,10 @@ class EtcdLeaseStore(LeaseStore):
         known = self._known
         known[(lease.owner_id, lease.token)] = lease_id
         if len(known) > _MAX_KNOWN:  # forget the oldest: it costs one read, if ever renewed
-            known.pop(next(iter(known)), None)
+            try:
+                known.pop(next(iter(known)), None)
+            except (RuntimeError, StopIteration):  # another thread changed it meanwhile
+                pass
 
     # -- claim -------------------------------------------------------------
 
@@ -313,152 +291,6 @@ class EtcdLeaseStore(LeaseStore):
                 # the etcd lease must not block the retry.
                 self._revoke(lease_id)
         return None
-
-    # -- renew / release -----------------------------------------------------
-
-    def do_renew_many(
-        self, leases: builtins.list[Lease], ttls: builtins.list[float]
-    ) -> builtins.list[float | None]:
-        # The keep-alive goes first and the ownership read after it: an evict
-        # that lands before the read is seen; one after it came after the
-        # renewal. The etcd lease id comes from the claim (remembered), else
-        # from one read first. A TTL other than the etcd lease's moves the keys.
-        out: builtins.list[float | None] = [None] * len(leases)
-        ids = {i: self._known.get((lease.owner_id, lease.token)) for i, lease in enumerate(leases)}
-        unknown = [i for i, lease_id in ids.items() if lease_id is None]
-        if unknown:
-            kvs = self._read([k for i in unknown for k in leases[i].keys])
-            for i in unknown:
-                ids[i] = self._owned(leases[i], kvs)
-        todo = [i for i, lease_id in ids.items() if lease_id is not None]
-        for _ in range(3):
-            if not todo:
-                return out
-            sent: dict[int, float] = {}
-            left: dict[int, int | None] = {}
-            for i in todo:
-                sent[i] = time.time()
-                left[i] = self._keepalive(ids[i])  # type: ignore[arg-type]
-            kvs = self._read([k for i in todo for k in leases[i].keys])
-            moved: builtins.list[int] = []
-            for i in todo:
-                lease, lease_id = leases[i], self._owned(leases[i], kvs)
-                if lease_id is None or (lease_id == ids[i] and left[i] is None):
-                    self._known.pop((lease.owner_id, lease.token), None)  # lost
-                elif lease_id != ids[i]:  # moved to another etcd lease meanwhile
-                    ids[i] = lease_id
-                    moved.append(i)
-                elif left[i] != self._effective_ttl(ttls[i]):
-                    out[i] = self._move(lease, lease_id, ttls[i])
-                else:
-                    out[i] = sent[i] + left[i]  # type: ignore[operator]
-                    self._remember(lease, lease_id)
-            todo = moved
-        if todo:
-            raise StoreUnavailable(
-                f"etcd {redact_url(self.url)}: the keys of {leases[todo[0]].key!r} kept moving "
-                "to other etcd leases during the renewal (another store object renewing it "
-                "to a different TTL?)"
-            )
-        return out
-
-    def _owned(self, lease: Lease, kvs: Mapping[str, tuple[KV | None, KV | None]]) -> int | None:
-        """The etcd lease holding every key of ``lease`` for its owner and token, or None."""
-        found: set[int] = set()
-        for key in lease.keys:
-            kv, fence = kvs[key]
-            if kv is None or fence is None or fence.mod_revision != lease.token:
-                return None
-            if kv.owner != lease.owner_id or kv.lease == 0:
-                return None
-            found.add(kv.lease)
-        return found.pop() if len(found) == 1 else None
-
-    def _move(self, lease: Lease, old_id: int, ttl: float) -> float | None:
-        """Renew to a different TTL: attach the keys to a new etcd lease (token kept)."""
-        if 2 * len(lease.keys) > self.max_txn_ops:  # a lease claimed under a larger limit
-            raise LeaseConfigError(
-                f"renewing {len(lease.keys)} keys to another TTL needs {2 * len(lease.keys)} "
-                f"compares in one etcd transaction, over max_txn_ops={self.max_txn_ops}"
-            )
-        sent = time.time()
-        new_id, granted = self._grant(ttl)
-        # The fence pins the token; the key being on ``old_id`` (ours, read just
-        # before) pins the owner: 2 compares per key, so a claim that fit fits.
-        compare = [cmp_op(self.fence_name(k), "MOD", lease.token) for k in lease.keys]
-        compare += [cmp_op(self.lease_name(k), "LEASE", old_id) for k in lease.keys]
-        success = [
-            {
-                "request_put": {
-                    "key": b64(self.lease_name(k)),
-                    "ignore_value": True,
-                    "lease": str(new_id),
-                }
-            }
-            for k in lease.keys
-        ]
-        moved: bool | None = None
-        try:
-            moved = bool(self._txn(compare, success, []).get("succeeded"))
-        finally:
-            self._revoke(old_id if moved else new_id)  # on an error (raised on): the new one
-        if moved:
-            self._remember(lease, new_id)
-        return sent + granted if moved else None
-
-    def do_release(self, lease: Lease) -> bool:
-        # Split to stay within max_txn_ops (3 compares per key). Each part is
-        # all or nothing and leaves a marker naming the owner and token, so a
-        # part already applied (a retry after a lost reply) answers True; an
-        # expired or stolen key has no such marker and answers False.
-        marker = b64(_release_marker(lease))
-        etcd_ids: set[int] = set()
-        for part in chunks(lease.keys, self.max_txn_ops // 3):
-            compare = [c for k in part for c in self._owner_checks(lease, k)]
-            success = [
-                {"request_delete_range": {"key": b64(self.lease_name(k)), "prev_kv": True}}
-                for k in part
-            ] + [
-                {"request_put": {"key": b64(self.released_name(k)), "value": marker}} for k in part
-            ]
-            failure = [
-                {"request_range": {"key": b64(name)}}
-                for k in part
-                for name in (self.lease_name(k), self.fence_name(k), self.released_name(k))
-            ]
-            reply = self._txn(compare, success, failure)
-            if not reply.get("succeeded"):
-                if not self._released_before(lease, reply):
-                    return False
-                continue
-            for response in reply.get("responses", []):
-                for kv in response.get("response_delete_range", {}).get("prev_kvs", []):
-                    etcd_ids.add(int(kv.get("lease", 0)))
-        known = self._known.pop((lease.owner_id, lease.token), 0)
-        for lease_id in (etcd_ids or {known}) - {0}:
-            self._revoke(lease_id)
-        return True
-
-    def _released_before(self, lease: Lease, reply: Mapping[str, Any]) -> bool:
-        """True if the failure reads of a release part show it released by ``lease`` itself."""
-        found = ranges(reply)
-        marker = _release_marker(lease)
-        for i in range(0, len(found), 3):
-            kv, fence, released = found[i : i + 3]
-            if kv is not None or fence is None or fence.mod_revision != lease.token:
-                return False
-            if released is None or released.value != marker:
-                return False
-        return True
-
-    def _owner_checks(self, lease: Lease, key: str) -> builtins.list[dict[str, Any]]:
-        """Compares true while ``key`` is held by ``lease``'s owner under its token."""
-        head = b'{"owner":' + json.dumps(lease.owner_id).encode() + b","
-        return [
-            cmp_op(self.lease_name(key), "VALUE", head, "GREATER"),
-            cmp_op(self.lease_name(key), "VALUE", head[:-1] + b"-", "LESS"),  # "," + 1
-            cmp_op(self.fence_name(key), "MOD", lease.token),
-        ]
 
     # -- reading -----------------------------------------------------------
 
@@ -673,13 +505,6 @@ class EtcdLeaseStore(LeaseStore):
 
 class _NotFound(LeaseError):
     """etcd answered NOT_FOUND (a lease that is gone)."""
-
-
-def _release_marker(lease: Lease) -> bytes:
-    """The value a release leaves at ``/{prefix}/released/<key>``: who released which grant."""
-    return json.dumps(
-        {"owner": lease.owner_id, "token": lease.token}, separators=(",", ":")
-    ).encode()
 
 
 # -- helpers -------------------------------------------------------------------

@@ -39,6 +39,7 @@ __all__ = [
     "prefix_end",
     "ranges",
     "str_or_none",
+    "tls_options",
 ]
 
 DEFAULT_PORT = 2379
@@ -46,6 +47,13 @@ DEFAULT_PORT = 2379
 DEFAULT_MAX_TXN_OPS = 128
 
 T = TypeVar("T")
+_OPTION_ALIASES = {
+    "ssl_ca_certs": "ca_cert",
+    "ssl_certfile": "cert_cert",
+    "ssl_keyfile": "cert_key",
+}
+_FILE_OPTIONS = ("ca_cert", "cert_cert", "cert_key")
+_OTHER_OPTIONS = ("timeout", "max_txn_ops", "key_prefix")
 
 
 def parse_endpoints(url: str) -> tuple[str, list[tuple[str, int]]]:
@@ -91,6 +99,28 @@ def parse_endpoints(url: str) -> tuple[str, list[tuple[str, int]]]:
             raise LeaseConfigError(f"{shown}: port {port} is not a TCP port (1-65535)")
         endpoints.append((host, port))
     return protocol, endpoints
+
+
+def tls_options(url: str, protocol: str, options: Mapping[str, Any]) -> dict[str, str]:
+    """The TLS files among a store's ``options`` (every other name is a config error)."""
+    tls: dict[str, str] = {}
+    for name, value in options.items():
+        canonical = _OPTION_ALIASES.get(name, name)
+        if canonical not in _FILE_OPTIONS:
+            raise LeaseConfigError(
+                f"unknown etcd store option {name!r} (lease_store_options); known: "
+                f"{', '.join((*_FILE_OPTIONS, *_OPTION_ALIASES, *_OTHER_OPTIONS))}"
+            )
+        if value is None:
+            continue
+        if not isinstance(value, str) or not os.path.exists(value):
+            raise LeaseConfigError(f"etcd store option {name!r}: no such file {value!r}")
+        tls[canonical] = value
+    if tls and protocol != "https":
+        raise LeaseConfigError(f"{redact_url(url)}: TLS options {sorted(tls)} need an etcds:// URL")
+    if ("cert_cert" in tls) != ("cert_key" in tls):
+        raise LeaseConfigError("a client certificate needs both cert_cert and cert_key")
+    return tls
 
 
 @dataclass(frozen=True)
