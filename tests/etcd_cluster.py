@@ -86,7 +86,13 @@ def tls_context(tls: Path) -> ssl.SSLContext:
 
 class EtcdMember:
     def __init__(
-        self, name: str, base: Path, client_port: int, peer_port: int, tls: Path | None = None
+        self,
+        name: str,
+        base: Path,
+        client_port: int,
+        peer_port: int,
+        tls: Path | None = None,
+        args: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.client_port = client_port
@@ -94,6 +100,7 @@ class EtcdMember:
         self.data_dir = base / name
         self.log_path = base / f"{name}.log"
         self.tls = tls
+        self.args = args
         self._context = tls_context(tls) if tls is not None else None
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -130,6 +137,7 @@ class EtcdMember:
             "--election-timeout", "500",
             "--logger", "zap",
             "--log-outputs", "stderr",
+            *self.args,
         ]  # fmt: skip
         if self.tls is not None:  # clients must present a certificate signed by ca.crt
             argv += [
@@ -174,14 +182,17 @@ class EtcdMember:
 class EtcdCluster:
     """``size`` etcd members on loopback, each with its own data directory and log."""
 
-    def __init__(self, tmpdir: Path, size: int = 3, *, tls: Path | None = None) -> None:
+    def __init__(
+        self, tmpdir: Path, size: int = 3, *, tls: Path | None = None, args: tuple[str, ...] = ()
+    ) -> None:
         etcd_binary()  # FileNotFoundError before anything is created
         tmpdir.mkdir(parents=True, exist_ok=True)
         self.base = Path(tempfile.mkdtemp(prefix="etcd-", dir=tmpdir))
         self.token = self.base.name
         self.tls = tls
         self.members = [
-            EtcdMember(f"n{i + 1}", self.base, free_port(), free_port(), tls) for i in range(size)
+            EtcdMember(f"n{i + 1}", self.base, free_port(), free_port(), tls, args)
+            for i in range(size)
         ]
         self.initial_cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
 
@@ -340,9 +351,10 @@ def make_etcd_cluster(tmp_path: Path) -> Iterator[Callable[..., EtcdCluster]]:
     """Factory of private, started clusters the test may hurt; all removed afterwards."""
     made: list[EtcdCluster] = []
 
-    def make(size: int = 3, *, tls: Path | None = None) -> EtcdCluster:
+    def make(size: int = 3, *, tls: Path | None = None, args: tuple[str, ...] = ()) -> EtcdCluster:
+        """``args``: extra etcd flags for every member (e.g. ``("--max-txn-ops", "12")``)."""
         try:
-            cluster = EtcdCluster(tmp_path, size, tls=tls)
+            cluster = EtcdCluster(tmp_path, size, tls=tls, args=args)
         except FileNotFoundError as exc:
             _missing(exc)
             raise

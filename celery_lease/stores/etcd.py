@@ -12,7 +12,8 @@ URLs: ``etcd://host:port[,host:port...]`` (plain HTTP) and
 keyword arguments): ``ca_cert`` / ``cert_cert`` / ``cert_key`` (etcd3gw's
 names; ``ssl_ca_certs`` / ``ssl_certfile`` / ``ssl_keyfile``, the Redis
 store's names, are accepted too), ``timeout`` (seconds per request, default
-5) and ``key_prefix``. Requests go to one member; a member that refuses the
+5), ``max_txn_ops`` (the members' ``--max-txn-ops``, default 128, etcd's
+default) and ``key_prefix``. Requests go to one member; a member that refuses the
 connection is skipped at once, and after any other transport error the next
 request goes to the next member.
 
@@ -22,6 +23,7 @@ Layout, per key (the key as given, UTF-8, no hashing)::
                             root_id, tenant}; attached to the claim's etcd lease
     /{prefix}/fence/<key>   empty; put by every claim and evict, never deleted:
                             its mod_revision is the newest token issued
+    /{prefix}/released/<key>  JSON {"owner", "token"} of the grant released last
 
 Operations, each built on etcd's own primitives:
 
@@ -31,16 +33,13 @@ Operations, each built on etcd's own primitives:
   token is the transaction's revision: the ``mod_revision`` of the keys it
   put. One etcd lease per claim. A refused claim revokes its unused etcd
   lease. A live key held by the *same* owner id is granted again (a claim
-  retried after a lost reply), with a new token, in one transaction.
-- **renew**: the etcd lease's keep-alive. ``renew_many`` reads the lease and
-  fence keys of every lease in one transaction (owner and token checked),
-  then sends one keep-alive per etcd lease: 1 + N requests for N leases.
-  A renewal to a different TTL moves the keys to a new etcd lease (a put with
-  ``ignore_value``), which keeps the token: the token lives in the fence key.
-- **release**: one transaction deleting the lease keys only if each still
-  names this owner (a byte-range compare on the value's ``{"owner":...,``
-  prefix) and its fence key still has this token as ``mod_revision``; then
-  the etcd lease is revoked.
+  retried after a lost reply), with a new token, in one transaction. Two
+  operations per key: a claim of more than ``max_txn_ops // 2`` keys (64 at
+  etcd's default) is refused with :class:`LeaseConfigError`, as all or
+  nothing cannot span transactions.
+- **renew** and **release**: see :mod:`celery_lease.stores.etcd_renew` (the
+  keep-alive, then the ownership read; a compare-and-delete that leaves a
+  marker, so a repeated release answers True).
 - **evict**: one transaction deleting the lease key and putting the fence key,
   so the fence (and every later claim) is past the evicted token; then the
   evicted etcd lease is revoked (freeing the other keys of a multi-key claim).
@@ -79,16 +78,29 @@ import base64
 import builtins
 import json
 import math
-import os
-import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from celery_lease.exceptions import LeaseConfigError, LeaseError, StoreUnavailable
-from celery_lease.stores.base import META_FIELDS, Lease, LeaseRecord, LeaseStore, redact_url
+from celery_lease.stores.base import Lease, LeaseRecord, LeaseStore, redact_url
+from celery_lease.stores.etcd_renew import RenewAndRelease
+from celery_lease.stores.etcd_wire import (
+    DEFAULT_MAX_TXN_OPS,
+    KV,
+    Members,
+    b64,
+    chunks,
+    cmp_op,
+    key_range,
+    lease_value,
+    parse_endpoints,
+    prefix_end,
+    ranges,
+    str_or_none,
+    tls_options,
+)
 
 try:
     import requests
@@ -104,7 +116,6 @@ except ImportError:  # pragma: no cover - exercised only without the extra
 
 __all__ = ["EtcdLeaseStore", "parse_endpoints"]
 
-DEFAULT_PORT = 2379
 DEFAULT_TIMEOUT = 5.0
 #: The gRPC status codes (etcd's JSON errors carry them) that mean "not now"
 #: (StoreUnavailable), with the reason the error names; any other code is
@@ -119,92 +130,12 @@ _TRANSIENT_CODES: dict[int, str] = {
     14: "no leader, the leader changed, or the member is not ready",  # UNAVAILABLE
 }
 _NOT_FOUND = 5
-_OPTION_ALIASES = {
-    "ssl_ca_certs": "ca_cert",
-    "ssl_certfile": "cert_cert",
-    "ssl_keyfile": "cert_key",
-}
-_FILE_OPTIONS = ("ca_cert", "cert_cert", "cert_key")
+#: Grants whose etcd lease id this store object remembers (for renewals that
+#: send the keep-alive first, and for revoking after a repeated release).
+_MAX_KNOWN = 10_000
 
 
-def parse_endpoints(url: str) -> tuple[str, list[tuple[str, int]]]:
-    """``(protocol, [(host, port), ...])`` of an ``etcd://`` / ``etcds://`` URL.
-
-    Raises :class:`LeaseConfigError` for anything else: user info (etcd
-    authentication is not supported; use TLS client certificates), a path, a
-    query, an empty host or a port outside 1-65535.
-    """
-    shown = redact_url(url)
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in ("etcd", "etcds"):
-        raise LeaseConfigError(f"an etcd store URL is etcd://host:port[,host:port...], got {shown}")
-    protocol = "https" if scheme.lower() == "etcds" else "http"
-    netloc, _, path = rest.partition("/")
-    if "?" in netloc or "#" in netloc or path.strip("/") or "?" in path:
-        raise LeaseConfigError(
-            f"{shown}: an etcd URL names members only (etcd://host:port[,host:port...]); "
-            "set the key prefix with lease_key_prefix"
-        )
-    if "@" in netloc:
-        raise LeaseConfigError(
-            f"{shown}: etcd user/password authentication is not supported; "
-            "use etcds:// with client certificates (cert_cert, cert_key)"
-        )
-    endpoints: list[tuple[str, int]] = []
-    for part in netloc.split(","):
-        part = part.strip()
-        if part.startswith("["):  # [v6]:port
-            host, _, tail = part[1:].partition("]")
-            port_text = tail[1:] if tail.startswith(":") else ""
-            if tail and not tail.startswith(":"):
-                raise LeaseConfigError(f"{shown}: cannot parse member {part!r}")
-        else:
-            host, _, port_text = part.partition(":")
-        if not host:
-            raise LeaseConfigError(f"{shown}: a member without a host ({part!r})")
-        try:
-            port = int(port_text) if port_text else DEFAULT_PORT
-        except ValueError:
-            raise LeaseConfigError(f"{shown}: port {port_text!r} is not a number") from None
-        if not 0 < port < 65536:
-            raise LeaseConfigError(f"{shown}: port {port} is not a TCP port (1-65535)")
-        endpoints.append((host, port))
-    return protocol, endpoints
-
-
-@dataclass(frozen=True)
-class _KV:
-    """One key as a range read returned it."""
-
-    create_revision: int
-    mod_revision: int
-    value: bytes
-    lease: int
-
-    @classmethod
-    def parse(cls, kv: Mapping[str, Any]) -> _KV:
-        return cls(
-            int(kv.get("create_revision", 0)),
-            int(kv.get("mod_revision", 0)),
-            base64.b64decode(kv.get("value", "")),
-            int(kv.get("lease", 0)),
-        )
-
-    def fields(self) -> dict[str, Any]:
-        """The lease record's JSON fields ({} if the value is not one of ours)."""
-        try:
-            data = json.loads(self.value)
-        except ValueError:
-            return {}
-        return data if isinstance(data, dict) else {}
-
-    @property
-    def owner(self) -> str | None:
-        owner = self.fields().get("owner")
-        return owner if isinstance(owner, str) else None
-
-
-class EtcdLeaseStore(LeaseStore):
+class EtcdLeaseStore(RenewAndRelease, LeaseStore):
     """Leases in etcd (see the module docstring for the layout and guarantees)."""
 
     schemes = ("etcd", "etcds")
@@ -222,6 +153,7 @@ class EtcdLeaseStore(LeaseStore):
         key_prefix: str = "celery-lease",
         *,
         timeout: float = DEFAULT_TIMEOUT,
+        max_txn_ops: int = DEFAULT_MAX_TXN_OPS,
         **options: Any,
     ) -> None:
         self.url = url
@@ -242,50 +174,44 @@ class EtcdLeaseStore(LeaseStore):
             or not 0 < timeout < math.inf
         ):
             raise LeaseConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        tls: dict[str, str] = {}
-        for name, value in options.items():
-            canonical = _OPTION_ALIASES.get(name, name)
-            if canonical not in _FILE_OPTIONS:
-                raise LeaseConfigError(
-                    f"unknown etcd store option {name!r} (lease_store_options); known: "
-                    f"{', '.join((*_FILE_OPTIONS, *_OPTION_ALIASES, 'timeout', 'key_prefix'))}"
-                )
-            if value is None:
-                continue
-            if not isinstance(value, str) or not os.path.exists(value):
-                raise LeaseConfigError(f"etcd store option {name!r}: no such file {value!r}")
-            tls[canonical] = value
-        if tls and protocol != "https":
+        if isinstance(max_txn_ops, bool) or not isinstance(max_txn_ops, int) or max_txn_ops < 3:
             raise LeaseConfigError(
-                f"{redact_url(url)}: TLS options {sorted(tls)} need an etcds:// URL"
+                "max_txn_ops must be an integer of at least 3, the etcd servers' "
+                f"--max-txn-ops (etcd's default: {DEFAULT_MAX_TXN_OPS}), got {max_txn_ops!r}"
             )
-        if ("cert_cert" in tls) != ("cert_key" in tls):
-            raise LeaseConfigError("a client certificate needs both cert_cert and cert_key")
+        tls = tls_options(url, protocol, options)
         self.prefix = key_prefix
         self.timeout = float(timeout)
         self.endpoints = endpoints
-        self._clients = [
-            Etcd3Client(
-                host=host,
-                port=port,
-                protocol=protocol,
-                ca_cert=tls.get("ca_cert"),
-                cert_cert=tls.get("cert_cert"),
-                cert_key=tls.get("cert_key"),
-                timeout=self.timeout,
-                api_path="/v3/",
-            )
-            for host, port in endpoints
-        ]
+        #: The most compares / success / failure operations one transaction may
+        #: carry (etcd's ``--max-txn-ops``): claims of more than half as many
+        #: keys are refused; reads, renewals and releases are split to fit.
+        self.max_txn_ops = max_txn_ops
+        self._members = Members(
+            lambda: [
+                Etcd3Client(
+                    host=host,
+                    port=port,
+                    protocol=protocol,
+                    ca_cert=tls.get("ca_cert"),
+                    cert_cert=tls.get("cert_cert"),
+                    cert_key=tls.get("cert_key"),
+                    timeout=self.timeout,
+                    api_path="/v3/",
+                )
+                for host, port in endpoints
+            ]
+        )
         # Passed with every request: a session's own ``verify`` loses to a
         # REQUESTS_CA_BUNDLE / CURL_CA_BUNDLE in the environment (requests #3829),
         # which would silently trust the system CAs instead of ``ca_cert``.
         self._verify: dict[str, Any] = {"verify": tls["ca_cert"]} if "ca_cert" in tls else {}
-        self._current = 0
         self._min_ttl = 1  # raised when etcd grants more than asked (its minimum TTL)
-        self._lock = threading.Lock()
         self._lease_base = b"/" + prefix_bytes + b"/lease/"
         self._fence_base = b"/" + prefix_bytes + b"/fence/"
+        self._released_base = b"/" + prefix_bytes + b"/released/"
+        #: (owner_id, token) -> the etcd lease holding that grant's keys.
+        self._known: dict[tuple[str, int], int] = {}
 
     # -- key names ---------------------------------------------------------
 
@@ -294,6 +220,18 @@ class EtcdLeaseStore(LeaseStore):
 
     def fence_name(self, key: str) -> bytes:
         return self._fence_base + key.encode()
+
+    def released_name(self, key: str) -> bytes:
+        return self._released_base + key.encode()
+
+    def _remember(self, lease: Lease, lease_id: int) -> None:
+        known = self._known
+        known[(lease.owner_id, lease.token)] = lease_id
+        if len(known) > _MAX_KNOWN:  # forget the oldest: it costs one read, if ever renewed
+            try:
+                known.pop(next(iter(known)), None)
+            except (RuntimeError, StopIteration):  # another thread changed it meanwhile
+                pass
 
     # -- claim -------------------------------------------------------------
 
@@ -305,9 +243,18 @@ class EtcdLeaseStore(LeaseStore):
         ttl: float,
         meta: dict[str, str],
     ) -> Lease | None:
+        if 2 * len(keys) > self.max_txn_ops:
+            # All or nothing needs one transaction, which puts a lease key and a
+            # fence key per key: beyond the limit etcd would refuse it.
+            raise LeaseConfigError(
+                f"a claim of {len(keys)} keys needs {2 * len(keys)} operations in one etcd "
+                f"transaction, over max_txn_ops={self.max_txn_ops} (etcd's --max-txn-ops): "
+                f"claim at most {self.max_txn_ops // 2} keys at once, or raise --max-txn-ops "
+                "on every etcd member and max_txn_ops in lease_store_options together"
+            )
         acquired = time.time()
         lease_id, granted = self._grant(ttl)
-        value = _b64(_value(owner_id, acquired, meta))
+        value = b64(lease_value(owner_id, acquired, meta))
         # Keys this very owner holds (a claim retried after a lost reply) are
         # granted again, with a new token, if unchanged since read: {key: mod_revision}.
         own: dict[str, int] = {}
@@ -316,22 +263,22 @@ class EtcdLeaseStore(LeaseStore):
         try:
             for _ in range(3):
                 compare = [
-                    _cmp(self.lease_name(k), "MOD", own[k])
+                    cmp_op(self.lease_name(k), "MOD", own[k])
                     if k in own
-                    else _cmp(self.lease_name(k), "CREATE", 0)
+                    else cmp_op(self.lease_name(k), "CREATE", 0)
                     for k in keys
                 ]
                 success = [
                     {
                         "request_put": {
-                            "key": _b64(self.lease_name(k)),
+                            "key": b64(self.lease_name(k)),
                             "value": value,
                             "lease": str(lease_id),
                         }
                     }
                     for k in keys
-                ] + [{"request_put": {"key": _b64(self.fence_name(k))}} for k in keys]
-                failure = [{"request_range": {"key": _b64(self.lease_name(k))}} for k in keys]
+                ] + [{"request_put": {"key": b64(self.fence_name(k))}} for k in keys]
+                failure = [{"request_range": {"key": b64(self.lease_name(k))}} for k in keys]
                 reply = self._txn(compare, success, failure)
                 if reply.get("succeeded"):
                     for old in superseded - {lease_id}:
@@ -341,8 +288,9 @@ class EtcdLeaseStore(LeaseStore):
                         primary, keys, owner_id, token, acquired + granted, acquired,
                         float(granted), meta,
                     )  # fmt: skip
+                    self._remember(claimed, lease_id)
                     return claimed
-                held = {k: kv for k, kv in zip(keys, _ranges(reply)) if kv is not None}
+                held = {k: kv for k, kv in zip(keys, ranges(reply)) if kv is not None}
                 if any(kv.owner != owner_id for kv in held.values()):
                     break
                 own = {k: kv.mod_revision for k, kv in held.items()}
@@ -353,89 +301,6 @@ class EtcdLeaseStore(LeaseStore):
                 # the etcd lease must not block the retry.
                 self._revoke(lease_id)
         return None
-
-    # -- renew / release -----------------------------------------------------
-
-    def do_renew_many(
-        self, leases: builtins.list[Lease], ttls: builtins.list[float]
-    ) -> builtins.list[float | None]:
-        kvs = self._read([k for lease in leases for k in lease.keys])
-        out: builtins.list[float | None] = []
-        for lease, ttl in zip(leases, ttls):
-            lease_id = self._owned(lease, kvs)
-            if lease_id is None:
-                out.append(None)
-                continue
-            sent = time.time()
-            left = self._keepalive(lease_id)
-            if left is None:
-                out.append(None)
-            elif left != self._effective_ttl(ttl):
-                out.append(self._move(lease, lease_id, ttl))
-            else:
-                out.append(sent + left)
-        return out
-
-    def _owned(self, lease: Lease, kvs: Mapping[str, tuple[_KV | None, _KV | None]]) -> int | None:
-        """The etcd lease holding every key of ``lease`` for its owner and token, or None."""
-        found: set[int] = set()
-        for key in lease.keys:
-            kv, fence = kvs[key]
-            if kv is None or fence is None or fence.mod_revision != lease.token:
-                return None
-            if kv.owner != lease.owner_id or kv.lease == 0:
-                return None
-            found.add(kv.lease)
-        return found.pop() if len(found) == 1 else None
-
-    def _move(self, lease: Lease, old_id: int, ttl: float) -> float | None:
-        """Renew to a different TTL: attach the keys to a new etcd lease (token kept)."""
-        sent = time.time()
-        new_id, granted = self._grant(ttl)
-        compare = [c for k in lease.keys for c in self._owner_checks(lease, k)]
-        compare += [_cmp(self.lease_name(k), "LEASE", old_id) for k in lease.keys]
-        success = [
-            {
-                "request_put": {
-                    "key": _b64(self.lease_name(k)),
-                    "ignore_value": True,
-                    "lease": str(new_id),
-                }
-            }
-            for k in lease.keys
-        ]
-        moved: bool | None = None
-        try:
-            moved = bool(self._txn(compare, success, []).get("succeeded"))
-        finally:
-            self._revoke(old_id if moved else new_id)  # on an error (raised on): the new one
-        return sent + granted if moved else None
-
-    def do_release(self, lease: Lease) -> bool:
-        compare = [c for k in lease.keys for c in self._owner_checks(lease, k)]
-        success = [
-            {"request_delete_range": {"key": _b64(self.lease_name(k)), "prev_kv": True}}
-            for k in lease.keys
-        ]
-        reply = self._txn(compare, success, [])
-        if not reply.get("succeeded"):
-            return False
-        for response in reply.get("responses", []):
-            for kv in response.get("response_delete_range", {}).get("prev_kvs", []):
-                lease_id = int(kv.get("lease", 0))
-                if lease_id:
-                    self._revoke(lease_id)
-                    return True
-        return True
-
-    def _owner_checks(self, lease: Lease, key: str) -> builtins.list[dict[str, Any]]:
-        """Compares true while ``key`` is held by ``lease``'s owner under its token."""
-        head = b'{"owner":' + json.dumps(lease.owner_id).encode() + b","
-        return [
-            _cmp(self.lease_name(key), "VALUE", head, "GREATER"),
-            _cmp(self.lease_name(key), "VALUE", head[:-1] + b"-", "LESS"),  # "," + 1
-            _cmp(self.fence_name(key), "MOD", lease.token),
-        ]
 
     # -- reading -----------------------------------------------------------
 
@@ -449,7 +314,7 @@ class EtcdLeaseStore(LeaseStore):
         return self._record(key, kv, fence, left, granted, time.time())
 
     def _record(
-        self, key: str, kv: _KV, fence: _KV | None, left: int, granted: int, now: float
+        self, key: str, kv: KV, fence: KV | None, left: int, granted: int, now: float
     ) -> LeaseRecord:
         fields = kv.fields()
         # The fence key's mod_revision is the token of the grant (a TTL change
@@ -470,10 +335,10 @@ class EtcdLeaseStore(LeaseStore):
             renewed_at=renewed,
             ttl=ttl,
             now=now,
-            task_id=_str_or_none(fields.get("task_id")),
-            task_name=_str_or_none(fields.get("task_name")),
-            root_id=_str_or_none(fields.get("root_id")),
-            tenant=_str_or_none(fields.get("tenant")),
+            task_id=str_or_none(fields.get("task_id")),
+            task_name=str_or_none(fields.get("task_name")),
+            root_id=str_or_none(fields.get("root_id")),
+            tenant=str_or_none(fields.get("tenant")),
         )
 
     def do_list(self, prefix: str, expired: bool) -> builtins.list[LeaseRecord]:
@@ -482,8 +347,8 @@ class EtcdLeaseStore(LeaseStore):
         reply = self._txn(
             [],
             [
-                {"request_range": _range(lease_from, _prefix_end(lease_from))},
-                {"request_range": _range(fence_from, _prefix_end(fence_from))},
+                {"request_range": key_range(lease_from, prefix_end(lease_from))},
+                {"request_range": key_range(fence_from, prefix_end(fence_from))},
             ],
             [],
         )
@@ -491,13 +356,13 @@ class EtcdLeaseStore(LeaseStore):
             r.get("response_range", {}).get("kvs", []) for r in reply.get("responses", [])
         )
         fence_by_key = {
-            base64.b64decode(f["key"])[len(self._fence_base) :]: _KV.parse(f) for f in fences
+            base64.b64decode(f["key"])[len(self._fence_base) :]: KV.parse(f) for f in fences
         }
         ttls: dict[int, tuple[int, int]] = {}
         records: builtins.list[LeaseRecord] = []
         for item in leases:
             raw = base64.b64decode(item["key"])[len(self._lease_base) :]
-            kv = _KV.parse(item)
+            kv = KV.parse(item)
             if kv.lease not in ttls:
                 ttls[kv.lease] = self._time_to_live(kv.lease)
             left, granted = ttls[kv.lease]
@@ -515,17 +380,17 @@ class EtcdLeaseStore(LeaseStore):
                 return None  # not that token's lease (any more): nothing changes
             before = self.do_inspect(key) if kv is not None else None
             compare = [
-                _cmp(self.lease_name(key), "MOD", kv.mod_revision)
+                cmp_op(self.lease_name(key), "MOD", kv.mod_revision)
                 if kv is not None
-                else _cmp(self.lease_name(key), "CREATE", 0)
+                else cmp_op(self.lease_name(key), "CREATE", 0)
             ]
             if token is not None:
                 compare.append(_cmp(self.fence_name(key), "MOD", token))
             success: builtins.list[dict[str, Any]] = [
-                {"request_put": {"key": _b64(self.fence_name(key))}}
+                {"request_put": {"key": b64(self.fence_name(key))}}
             ]
             if kv is not None:
-                success.append({"request_delete_range": {"key": _b64(self.lease_name(key))}})
+                success.append({"request_delete_range": {"key": b64(self.lease_name(key))}})
             if self._txn(compare, success, []).get("succeeded"):
                 if kv is not None and kv.lease:
                     self._revoke(kv.lease)
@@ -541,21 +406,25 @@ class EtcdLeaseStore(LeaseStore):
         return time.time()
 
     def close(self) -> None:
-        for client in self._clients:
-            client.session.close()
+        self._members.close()
 
     # -- etcd requests -------------------------------------------------------
 
-    def _read(self, keys: Sequence[str]) -> dict[str, tuple[_KV | None, _KV | None]]:
-        """Lease and fence key of every key, read in one linearizable transaction."""
-        unique = list(dict.fromkeys(keys))
-        ops = [
-            {"request_range": {"key": _b64(name)}}
-            for k in unique
-            for name in (self.lease_name(k), self.fence_name(k))
-        ]
-        found = _ranges(self._txn([], ops, []))
-        return {k: (found[2 * i], found[2 * i + 1]) for i, k in enumerate(unique)}
+    def _read(self, keys: Sequence[str]) -> dict[str, tuple[KV | None, KV | None]]:
+        """Lease and fence key of every key, each read in one linearizable transaction.
+
+        Up to ``max_txn_ops // 2`` keys per transaction (two reads per key).
+        """
+        out: dict[str, tuple[KV | None, KV | None]] = {}
+        for part in chunks(list(dict.fromkeys(keys)), self.max_txn_ops // 2):
+            ops = [
+                {"request_range": {"key": b64(name)}}
+                for k in part
+                for name in (self.lease_name(k), self.fence_name(k))
+            ]
+            found = ranges(self._txn([], ops, []))
+            out.update((k, (found[2 * i], found[2 * i + 1])) for i, k in enumerate(part))
+        return out
 
     def _txn(
         self,
@@ -614,19 +483,18 @@ class EtcdLeaseStore(LeaseStore):
     def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST to the current member; skip to the next one while members refuse connections."""
         with self.errors():
-            n = len(self._clients)
+            clients = self._members.clients()  # this process's own (rebuilt after fork)
+            n = len(clients)
             for attempt in range(n):
-                index = self._current
-                client = self._clients[index]
+                index = self._members.current
+                client = clients[index]
                 try:
                     reply: dict[str, Any] = client.post(
                         client.get_url(path), json=payload, **self._verify
                     )
                     return reply
                 except (ConnectionFailedError, ConnectionTimeoutError) as e:
-                    with self._lock:
-                        if self._current == index:
-                            self._current = (index + 1) % n
+                    self._members.skip(index)
                     if not _never_sent(e) or attempt == n - 1:
                         raise
             raise AssertionError("unreachable")
@@ -659,56 +527,6 @@ class _NotFound(LeaseError):
 
 
 # -- helpers -------------------------------------------------------------------
-
-
-def _b64(data: bytes | str) -> str:
-    return base64.b64encode(data.encode() if isinstance(data, str) else data).decode()
-
-
-def _value(owner_id: str, acquired: float, meta: Mapping[str, str]) -> bytes:
-    """The lease key's value. ``owner`` comes first: release compares the value's prefix."""
-    record: dict[str, Any] = {"owner": owner_id, "acquired": acquired}
-    record.update((f, meta[f]) for f in META_FIELDS if f in meta)
-    return json.dumps(record, separators=(",", ":")).encode()
-
-
-def _cmp(key: bytes, target: str, value: Any, result: str = "EQUAL") -> dict[str, Any]:
-    field = {
-        "CREATE": "create_revision",
-        "MOD": "mod_revision",
-        "VALUE": "value",
-        "LEASE": "lease",
-    }[target]
-    operand = _b64(value) if target == "VALUE" else str(value)
-    return {"key": _b64(key), "result": result, "target": target, field: operand}
-
-
-def _range(start: bytes, end: bytes) -> dict[str, str]:
-    return {"key": _b64(start), "range_end": _b64(end)}
-
-
-def _prefix_end(prefix: bytes) -> bytes:
-    """The first key after every key starting with ``prefix``."""
-    data = bytearray(prefix)
-    while data and data[-1] == 0xFF:
-        data.pop()
-    if not data:
-        return b"\x00"  # every key
-    data[-1] += 1
-    return bytes(data)
-
-
-def _ranges(reply: Mapping[str, Any]) -> builtins.list[_KV | None]:
-    """The first kv of each range response of a transaction (None where absent)."""
-    out: builtins.list[_KV | None] = []
-    for response in reply.get("responses", []):
-        kvs = response.get("response_range", {}).get("kvs", [])
-        out.append(_KV.parse(kvs[0]) if kvs else None)
-    return out
-
-
-def _str_or_none(value: Any) -> str | None:
-    return value if isinstance(value, str) and value else None
 
 
 def _never_sent(exc: BaseException) -> bool:
