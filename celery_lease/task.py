@@ -101,6 +101,13 @@ class Runtime:
         #: there the commit locks the lease rows, and the process's one renewal
         #: statement would wait behind it, every other lease's renewal with it.
         self.renew_through_commit = not (self.results.colocated and not self.results.db.is_sqlite)
+        #: The clock of deferral ETAs, which every worker must read alike: the
+        #: lease store's, or, for a store without a clock of its own (etcd),
+        #: a PostgreSQL result database's. Only a deployment with neither
+        #: (etcd with SQLite results) falls back to the deferring worker's.
+        self.clock: Callable[[], float] = self.store.time
+        if not self.store.server_clock and not self.results.db.is_sqlite:
+            self.clock = self.results.db.now
 
 
 _runtimes: dict[int, tuple[int, Runtime]] = {}
@@ -524,7 +531,7 @@ class _Execution:
         if not isinstance(not_before, (int, float)) or isinstance(not_before, bool):
             return
         try:
-            early = float(not_before) - self.rt.store.time()
+            early = float(not_before) - self.rt.clock()
         except StoreUnavailable:
             return
         if early > 0:
@@ -873,7 +880,7 @@ class _Execution:
             # ETA from the lease store's clock, the one the lease itself runs on;
             # a receiver whose clock runs ahead waits out the rest (see claim()).
             try:
-                eta = self.rt.store.time() + countdown
+                eta = self.rt.clock() + countdown
                 when = {"eta": datetime.fromtimestamp(eta, tz=timezone.utc)}
                 headers[HEADER_NOT_BEFORE] = eta
             except StoreUnavailable:

@@ -210,6 +210,9 @@ class LeaseStore(ABC):
     schemes: ClassVar[tuple[str, ...]] = ()
     #: Entry-point group third-party stores register under.
     ENTRY_POINT_GROUP: ClassVar[str] = "celery_lease.stores"
+    #: True if :meth:`time` is a server's clock, not this machine's (etcd
+    #: answers no time; an embedded SQLite file has the process's own).
+    server_clock: bool = True
 
     url: str
 

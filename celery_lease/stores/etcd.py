@@ -139,6 +139,7 @@ class EtcdLeaseStore(RenewAndRelease, LeaseStore):
     """Leases in etcd (see the module docstring for the layout and guarantees)."""
 
     schemes = ("etcd", "etcds")
+    server_clock = False  # etcd's leader keeps expiry, but answers no clock
 
     #: seconds after a lease's ``expires_at`` by which etcd has freed its keys
     #: (the leader's 500 ms revocation loop, a Raft commit, the grant's latency)

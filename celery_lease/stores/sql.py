@@ -60,6 +60,7 @@ class SQLLeaseStore(LeaseStore):
     def __init__(self, url: str, **options: Any) -> None:
         self.db = q.database(url)
         self.url = self.db.url
+        self.server_clock = not self.db.is_sqlite
         self.db.ensure_schema()
 
     # -- claim -----------------------------------------------------------

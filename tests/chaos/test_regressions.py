@@ -50,6 +50,7 @@ from celery_lease import LeaseStore
 from tests.chaos.app import PROTECTED_DDL, build
 from tests.chaos.cluster import ChaosWorker
 from tests.chaos.runner import BackendMonitor
+from tests.etcd_cluster import etcd_cluster, etcd_url  # noqa: F401 - fixtures
 from tests.servers import RabbitMQServer, RedisServer, wait_for
 from tests.workers import read_log
 
@@ -60,7 +61,12 @@ TTL = 2.0
 
 class Cell:
     def __init__(
-        self, tmp: Path, redis: RedisServer, pg_url: str, broker: str | None = None
+        self,
+        tmp: Path,
+        redis: RedisServer,
+        pg_url: str,
+        broker: str | None = None,
+        store_url: str | None = None,
     ) -> None:
         celery_lease.migrate(pg_url)
         engine = create_engine(pg_url)
@@ -71,7 +77,7 @@ class Cell:
         self.env = {
             "CHAOS_BROKER": broker or redis.url(0),
             "CHAOS_BACKEND": redis.url(1),
-            "CHAOS_STORE": redis.url(2),
+            "CHAOS_STORE": store_url or redis.url(2),
             "CHAOS_RESULTS": pg_url,
             "CHAOS_HISTORY": str(self.history),
             "CHAOS_TTL": str(TTL),
@@ -79,7 +85,7 @@ class Cell:
         }
         self.logdir = tmp
         self.app, self.tasks = build(self.env)
-        self.store = LeaseStore.from_url(redis.url(2), key_prefix="celery-lease")
+        self.store = LeaseStore.from_url(store_url or redis.url(2), key_prefix="celery-lease")
         self.workers: list[ChaosWorker] = []
 
     def restart_env(self, *, vt: float) -> None:
@@ -164,7 +170,28 @@ def _live(cell: Cell, key: str) -> bool:
     return record is not None and record.live
 
 
-def test_a_deferral_published_by_a_worker_an_hour_fast_runs_on_time(cell: Cell) -> None:
+@pytest.fixture
+def etcd_cell(
+    tmp_path: Path,
+    make_redis_server: Callable[..., RedisServer],
+    pg_url: str,
+    request: pytest.FixtureRequest,
+) -> Iterator[Cell]:
+    """A cell whose leases live in etcd, a store with no clock a client can read."""
+    c = Cell(tmp_path, make_redis_server(), pg_url, store_url=request.getfixturevalue("etcd_url"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("store", ["redis", pytest.param("etcd", marks=pytest.mark.etcd)])
+def test_a_deferral_published_by_a_worker_an_hour_fast_runs_on_time(
+    request: pytest.FixtureRequest, store: str
+) -> None:
+    """With etcd leases the ETA comes from the PostgreSQL result database's
+    clock (etcd answers none): on the old code it was the deferring worker's."""
+    cell: Cell = request.getfixturevalue("cell" if store == "redis" else "etcd_cell")
     skewed = cell.worker("skewed", "qa", skew="+1h")
     b = cell.worker("b", "qb,qa")
     key = f"skew-{uuid.uuid4().hex[:6]}"
