@@ -272,7 +272,11 @@ class ServerFaults:
             server.start()
         seconds = time.monotonic() - started
         if deliveries <= DEFER_MAX:
-            self.log(f"{what} outage: probe {probe_id} delivered only {deliveries} time(s)")
+            # The server was away, but not for as long as the kind says: not counted.
+            raise RuntimeError(
+                f"{what} down {seconds:.1f}s, probe {probe_id} delivered only {deliveries} "
+                f"time(s), not more than lease_defer_max={DEFER_MAX}"
+            )
         return {"server": what, "seconds": round(seconds, 2), "refused": refused,
                 "refused_at_end": refused_at_end, "probe": probe_id, "probe_key": key,
                 "probe_deliveries": deliveries, "lease_defer_max": DEFER_MAX,
