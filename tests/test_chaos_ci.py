@@ -1,4 +1,4 @@
-"""The fault-injection suite, CI-sized: about four minutes, a fixed seed, every fault kind.
+"""The fault-injection suite, CI-sized: about three minutes, a fixed seed, every fault kind.
 
 The same run as ``python -m tests.chaos`` (see ``tests/chaos/runner.py``),
 smaller: 3 workers (one ``-P threads``) and the probe worker, 120 tasks over
