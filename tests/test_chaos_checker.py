@@ -33,6 +33,11 @@ from tests.chaos.checker import (
 )
 
 
+def value(token: int) -> dict[str, int]:
+    """The value a chaos body returns (and so what its accepted row holds)."""
+    return {"token": token, "n": token // 10}
+
+
 def clean() -> History:
     return History(
         submissions=[
@@ -50,9 +55,9 @@ def clean() -> History:
             Attempt("a3", "T3", "o0", 30, 100.0, 100.01, 100.5, 104.0, "ok"),
         ],
         accepted=[
-            Accepted("x0", 10, "T1", 101.02, 1),
-            Accepted("x0", 20, "T2", 102.02, 3),
-            Accepted("o0", 30, "T3", 100.52, 2),
+            Accepted("x0", 10, "T1", 101.02, 1, value(10)),
+            Accepted("x0", 20, "T2", 102.02, 3, value(20)),
+            Accepted("o0", 30, "T3", 100.52, 2, value(30)),
         ],
         protected=[
             Protected("x0", 10, "T1", 100.99, 1),
@@ -60,11 +65,11 @@ def clean() -> History:
             Protected("o0", 30, "T3", 100.49, 2),
         ],
         backend={
-            "T1": Backend("SUCCESS"),
-            "T2": Backend("SUCCESS"),
+            "T1": Backend("SUCCESS", result=value(10)),
+            "T2": Backend("SUCCESS", result=value(20)),
             "T5": Backend("FAILURE", "StaleFencingToken", ("x0", 5, 20, "newer")),
-            "T3": Backend("SUCCESS"),
-            "T4": Backend("SUCCESS"),
+            "T3": Backend("SUCCESS", result=value(30)),
+            "T4": Backend("SUCCESS", result=value(30)),
             "T6": Backend("FAILURE", "DuplicateResult", ("o0", 30)),
         },
     )
@@ -210,7 +215,49 @@ def test_an_accepted_task_whose_backend_says_failure_is_reported() -> None:
     h = clean()
     # A stale copy of T2 overwrote T2's SUCCESS.
     h.backend["T2"] = Backend("FAILURE", "StaleFencingToken", ("x0", 15, 20, "newer"))
-    assert "backend" in kinds(h)
+    assert "accepted_outcome" in kinds(h)
+
+
+@pytest.mark.parametrize("state", ["PENDING", "STARTED", "RETRY"])
+def test_an_accepted_task_left_unfinished_in_the_backend_is_reported(state: str) -> None:
+    # The worker died between the fenced commit and the backend write, and
+    # nothing wrote SUCCESS afterwards.
+    h = clean()
+    h.backend["T2"] = Backend(state)
+    report = check(h)
+    found = [v for v in report.violations if v.kind == "accepted_outcome"]
+    assert len(found) == 1 and "T2" in found[0].detail and state in found[0].detail
+
+
+def test_an_accepted_task_with_no_backend_state_at_all_is_reported() -> None:
+    h = clean()
+    del h.backend["T1"]
+    assert {"accepted_outcome", "lost_task"} <= kinds(h)
+
+
+def test_success_with_another_value_than_the_accepted_one_is_reported() -> None:
+    h = clean()
+    # e.g. a re-run after a lost backend write stored its own, unaccepted value
+    h.backend["T2"] = Backend("SUCCESS", result=value(21))
+    report = check(h)
+    assert [v.kind for v in report.violations] == ["accepted_outcome"]
+    assert "'token': 21" in report.violations[0].detail
+
+
+def test_a_once_return_duplicate_with_another_value_is_reported() -> None:
+    h = clean()
+    h.backend["T4"] = Backend("SUCCESS", result=None)
+    assert kinds(h) == {"accepted_outcome"}
+
+
+def test_unknown_values_are_not_compared() -> None:
+    h = clean()
+    h.accepted = [Accepted(r.key, r.token, r.task_id, r.accepted_at, r.id) for r in h.accepted]
+    h.backend = {
+        t: Backend(b.state, b.exc_type, b.exc_args) if b.state == "SUCCESS" else b
+        for t, b in h.backend.items()
+    }
+    assert check(h).violations == []
 
 
 def test_success_without_an_accepted_result_is_reported() -> None:

@@ -18,6 +18,16 @@ token)``, the documented way to fence a downstream write, and lets a refusal
 
 ``task_prerun``/``task_postrun`` lines (delivery tag, redelivered flag, final
 Celery state) help explain what happened to each message.
+
+``chaos.probe`` (``exclusive``, a 1 s TTL, so a deferral comes back after
+1 s) runs the same body on its own queue ``chaos.probe``, served by the probe
+worker alone, which runs with a small ``lease_defer_max``
+(``CHAOS_DEFER_MAX``): the long-outage faults publish probes on keys of their
+own (no contention) and keep the server down until a probe was delivered more
+than ``lease_defer_max`` times.
+
+Every leased task here has one armed-only fault, ``kill_after_commit``: see
+:class:`ChaosTask`.
 """
 
 from __future__ import annotations
@@ -39,10 +49,46 @@ from sqlalchemy import Engine, create_engine, exc, text
 
 from celery_lease import LeasedTask, StaleFencingToken, fencing
 
-__all__ = ["POLICIES", "app", "build", "record", "tasks"]
+__all__ = ["KILL_ARM", "POLICIES", "PROBE_QUEUE", "ChaosTask", "app", "build", "record", "tasks"]
 
 #: task name suffix per policy
 POLICIES = {"exclusive": "exclusive", "once": "once", "once_return": "once_return"}
+PROBE_QUEUE = "chaos.probe"
+#: the arm file of ``kill_after_commit`` for worker ``<hostname>``, next to the history
+KILL_ARM = "{history}.arm-kill-after-commit.{hostname}"
+
+
+class ChaosTask(LeasedTask):
+    """A leased task that can die between its fenced commit and its backend write.
+
+    Celery's tracer stores SUCCESS after ``__call__`` returns; the plugin's
+    ``__call__`` returns only once the fenced commit was accepted (a refused
+    or duplicate commit raises). So, when the harness has armed this worker
+    (the file ``KILL_ARM``, one shot: the execution that removes it fires),
+    the process records ``kill_after_commit`` in the history and SIGKILLs
+    itself right there: the result is accepted, the backend never heard of it.
+    Inert unless armed.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        retval = super().__call__(*args, **kwargs)
+        req = self.request
+        history = os.environ.get("CHAOS_HISTORY")
+        if not history or req.called_directly or not req.id:
+            return retval
+        arm = KILL_ARM.format(history=history, hostname=req.hostname)
+        try:
+            with open(arm) as fh:
+                nonce = fh.read().strip()
+            os.unlink(arm)  # only one execution succeeds: the shot is taken
+        except FileNotFoundError:
+            return retval
+        token = retval.get("token") if isinstance(retval, dict) else None
+        record(history, "kill_after_commit", task_id=req.id, token=token, nonce=nonce,
+               host=req.hostname)  # fmt: skip
+        os.kill(os.getpid(), signal.SIGKILL)
+        return retval  # not reached
+
 
 PROTECTED_DDL = """
 CREATE TABLE IF NOT EXISTS chaos_protected (
@@ -68,7 +114,9 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
         lease_store_url=env("CHAOS_STORE"),
         lease_result_url=env("CHAOS_RESULTS"),
         lease_ttl=float(env("CHAOS_TTL", "4")),
-        lease_defer_max=1_000_000,
+        lease_defer_max=int(env("CHAOS_DEFER_MAX", "1000000")),
+        lease_store_retry=float(env("CHAOS_STORE_RETRY", "5")),
+        task_routes={"chaos.probe": {"queue": PROBE_QUEUE}},
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
@@ -99,7 +147,7 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
 
         run.__name__ = policy
         return app.task(
-            base=LeasedTask,
+            base=ChaosTask,
             bind=True,
             shared=False,
             name=f"chaos.{policy}",
@@ -111,6 +159,7 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
         exclusive=leased("exclusive"),
         once=leased("once", lease_mode="once", lease_on_duplicate="reject"),
         once_return=leased("once_return", lease_mode="once", lease_on_duplicate="return"),
+        probe=leased("probe", lease_ttl=1.0),
     )
     names = {t.name for t in vars(tasks).values()}
 

@@ -13,13 +13,13 @@ Inputs (all plain data, so the checker is tested on hand-made histories in
   saw confirmed by the grant or a renewal, and the outcome of its guarded
   write;
 * **accepted** -- the rows of ``celery_lease_results`` (key, token, task id,
-  ``accepted_at`` in the database's clock);
+  ``accepted_at`` in the database's clock, the accepted value);
 * **protected** -- the rows of the task bodies' own ``chaos_protected`` table,
   each written through ``celery_lease.fencing.guard(conn, key, token)``
   (``written_at`` in the database's clock, taken while the guard holds the
   key's fence row);
 * **backend** -- each task id's state in the Celery result backend (and, for
-  ``FAILURE``, the exception's type and arguments);
+  ``FAILURE``, the exception's type and arguments; for ``SUCCESS``, the value);
 * **transport_lost** -- task ids of which the broker transport itself lost a
   message, proven from the Redis broker's append-only file
   (:mod:`tests.chaos.aof`): popped from a queue and never recorded as unacked.
@@ -77,11 +77,17 @@ Definitions (the violation kinds it reports):
     ``LeaseLost``) was superseded: its key has an accepted result with a
     newer token (exclusive) or any accepted result (once). Otherwise the work
     was dropped with nobody newer doing it.
+``accepted_outcome``
+    Every task id whose result is accepted ends ``SUCCESS`` in the backend
+    with the accepted value once the system settled: no ``PENDING``,
+    ``STARTED``, ``RETRY`` or ``FAILURE`` left over an accepted success (a
+    worker that died between the fenced commit and the backend write must
+    not leave one). A ``once_return`` duplicate's ``SUCCESS`` carries its
+    key's accepted value too. Values are compared where both are known.
 ``backend``
-    The backend agrees with the result table: a task id with an accepted row
-    is ``SUCCESS``; ``SUCCESS`` means an accepted row of that task id, or a
-    ``once_return`` duplicate of a key that has one; ``FAILURE
-    StaleFencingToken(key, t)`` means no accepted row (key, t).
+    The backend agrees with the result table: ``SUCCESS`` means an accepted
+    row of that task id, or a ``once_return`` duplicate of a key that has one;
+    ``FAILURE StaleFencingToken(key, t)`` means no accepted row (key, t).
 ``backend_flip``
     A final backend state is final: once a task id's state is ``SUCCESS`` or
     ``FAILURE``, no later write changes it (a client's ``get()`` would have
@@ -103,6 +109,7 @@ from typing import Any
 __all__ = [
     "EPS",
     "FINAL",
+    "UNKNOWN",
     "Accepted",
     "Attempt",
     "Backend",
@@ -118,6 +125,15 @@ __all__ = [
 EPS = 0.05
 FINAL = ("SUCCESS", "FAILURE")
 LEASE_ERRORS = ("StaleFencingToken", "LeaseLost")
+
+
+class _Unknown:
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+#: a value the records do not hold (not compared)
+UNKNOWN: Any = _Unknown()
 
 
 @dataclass(frozen=True)
@@ -159,6 +175,7 @@ class Accepted:
     task_id: str | None
     accepted_at: float
     id: int = 0
+    value: Any = field(default=UNKNOWN, compare=False)
 
 
 @dataclass(frozen=True)
@@ -175,6 +192,8 @@ class Backend:
     state: str
     exc_type: str | None = None
     exc_args: tuple[Any, ...] = ()
+    #: the stored value of a ``SUCCESS``
+    result: Any = field(default=UNKNOWN, compare=False)
 
 
 @dataclass(frozen=True)
@@ -296,6 +315,7 @@ def check(h: History) -> Report:
             lost_keys_broker.append(key)
             continue
         out.append(Violation("lost_key", key, f"no accepted result for {len(tasks)} task(s)"))
+    out += _check_accepted_outcome(h, accepted_by_key)
     out += _check_backend(h, subs, accepted_by_key, attempts_by_key)
     if h.backend_history is not None:
         out += _check_backend_history(h, subs)
@@ -467,17 +487,6 @@ def _check_backend(
     for s in h.submissions:
         b = h.backend.get(s.task_id)
         rows = rows_by_task.get(s.task_id, [])
-        if rows and (b is None or b.state != "SUCCESS"):
-            state = b.state if b else "no state"
-            what = f"{state} {b.exc_type}" if b and b.exc_type else state
-            out.append(
-                Violation(
-                    "backend",
-                    s.key,
-                    f"task {s.task_id} has an accepted result (token {rows[0].token}) but the "
-                    f"backend says {what}",
-                )
-            )
         if b is None or b.state not in FINAL:
             continue
         key_rows = accepted_by_key.get(s.key, [])
@@ -528,6 +537,52 @@ def _check_backend(
                     "unexpected_failure",
                     s.key,
                     f"task {s.task_id} ended FAILURE {b.exc_type}{b.exc_args!r}",
+                )
+            )
+    return out
+
+
+def _check_accepted_outcome(
+    h: History, accepted_by_key: Mapping[str, list[Accepted]]
+) -> list[Violation]:
+    out = []
+    rows_by_task: dict[str, list[Accepted]] = defaultdict(list)
+    for r in h.accepted:
+        if r.task_id:
+            rows_by_task[r.task_id].append(r)
+    for s in h.submissions:
+        b = h.backend.get(s.task_id)
+        rows = rows_by_task.get(s.task_id)
+        if rows:
+            row = max(rows, key=lambda r: r.token)
+            what = "its own accepted result"
+        elif s.policy == "once_return" and b is not None and b.state == "SUCCESS":
+            key_rows = accepted_by_key.get(s.key)
+            if not key_rows:
+                continue  # SUCCESS without a result: the backend check says so
+            row = max(key_rows, key=lambda r: r.token)
+            what = f"its key's accepted result (a duplicate of {row.task_id})"
+        else:
+            continue
+        if b is None or b.state != "SUCCESS":
+            state = b.state if b else "no state (PENDING)"
+            if b is not None and b.exc_type:
+                state = f"{state} {b.exc_type}{b.exc_args!r}"
+            out.append(
+                Violation(
+                    "accepted_outcome",
+                    s.key,
+                    f"task {s.task_id} has an accepted result (token {row.token}) but the "
+                    f"backend says {state}",
+                )
+            )
+        elif UNKNOWN not in (b.result, row.value) and b.result != row.value:
+            out.append(
+                Violation(
+                    "accepted_outcome",
+                    s.key,
+                    f"task {s.task_id} is SUCCESS with {b.result!r}, not {what} "
+                    f"(token {row.token}): {row.value!r}",
                 )
             )
     return out

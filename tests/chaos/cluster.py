@@ -6,11 +6,16 @@
 * a Redis for the leases (AOF, ``appendfsync always``);
 * a Redis for Celery's result backend (never faulted);
 * a PostgreSQL cluster for the fenced result table and ``chaos_protected``;
+* a spare Redis, a replica of the lease store, so that ``store_readonly`` can
+  fail the store over to it (``FAILOVER``) and back, and no data is lost;
 * N workers of :mod:`tests.chaos.app` (the first with ``-P threads``, the
   others prefork), each in its own process group, optionally started under
   ``faketime -f '+1h'`` (``FAKETIME_DONT_FAKE_MONOTONIC=1``), and
   restarted by a supervisor thread whenever one exits by itself (kombu's
-  Redis transport can make a worker exit when the broker restarts).
+  Redis transport can make a worker exit when the broker restarts);
+* one more worker, ``probe`` (prefork, one child), alone on the queue
+  ``chaos.probe`` and with a small ``lease_defer_max`` (``DEFER_MAX``), for
+  the long-outage faults' probe tasks; no fault targets it.
 """
 
 from __future__ import annotations
@@ -38,7 +43,12 @@ from tests.servers import (
 )
 from tests.workers import Worker, _state
 
-__all__ = ["ChaosWorker", "Cluster"]
+__all__ = ["DEFER_MAX", "STORE_RETRY", "ChaosWorker", "Cluster"]
+
+#: the probe worker's ``lease_defer_max``: a long outage outlasts this many deferrals
+DEFER_MAX = 3
+#: every worker's ``lease_store_retry`` (seconds)
+STORE_RETRY = 1.0
 
 
 class ChaosWorker(Worker):
@@ -171,7 +181,9 @@ class Cluster:
         self.store: RedisServer | None = None
         self.backend: RedisServer | None = None
         self.pg: PostgresServer | None = None
+        self.spare: RedisServer | None = None
         self.workers: list[ChaosWorker] = []
+        self.probe: ChaosWorker | None = None
         self.env: dict[str, str] = {}
         self.locks = {name: threading.Lock() for name in ("broker", "store", "pg")}
         self._supervising = False
@@ -194,8 +206,14 @@ class Cluster:
             self.rabbit = RabbitMQServer(d)
             self.rabbit.start()
             broker_url = self.rabbit.url()
-        self.store = RedisServer(d, appendonly=True, appendfsync="always")
+        self.store = RedisServer(
+            d, appendonly=True, appendfsync="always",
+            extra_args=["--repl-diskless-sync-delay", "0"],
+        )  # fmt: skip
         self.store.start()
+        self.spare = RedisServer(d, appendonly=False)
+        self.spare.start()
+        self.spare.command("REPLICAOF", "127.0.0.1", str(self.store.port))
         self.backend = RedisServer(d, appendonly=True, appendfsync="always")
         self.backend.start()
         self.pg = PostgresServer(d, settings={"max_connections": 300})
@@ -217,12 +235,20 @@ class Cluster:
             "CHAOS_HISTORY": str(self.history),
             "CHAOS_TTL": str(self.ttl),
             "CHAOS_VT": str(self.vt),
+            "CHAOS_STORE_RETRY": str(STORE_RETRY),
         }
         (self.workdir / "env.json").write_text(json.dumps(self.env, indent=1))
         self.log(f"servers up in {time.monotonic() - started:.1f}s")
 
     def servers(self) -> list[Any]:
-        return [s for s in (self.broker_redis, self.rabbit, self.store, self.backend, self.pg) if s]
+        return [
+            s
+            for s in (self.broker_redis, self.rabbit, self.store, self.backend, self.pg, self.spare)
+            if s
+        ]
+
+    def all_workers(self) -> list[ChaosWorker]:
+        return self.workers + ([self.probe] if self.probe is not None else [])
 
     # -- workers ---------------------------------------------------------
 
@@ -232,7 +258,12 @@ class Cluster:
             w = ChaosWorker(f"w{i}", self.env, self.logdir, pool=pool, concurrency=self.concurrency)
             self.workers.append(w)
             w.launch()
-        for w in self.workers:
+        self.probe = ChaosWorker(
+            "probe", {**self.env, "CHAOS_DEFER_MAX": str(DEFER_MAX)}, self.logdir,
+            pool="prefork", concurrency=1, extra_args=("-Q", "chaos.probe"),
+        )  # fmt: skip
+        self.probe.launch()
+        for w in self.all_workers():
             w.wait_ready()
         self.log(f"{len(self.workers)} workers ready")
 
@@ -243,7 +274,7 @@ class Cluster:
 
     def _supervise(self) -> None:
         while self._supervising:
-            for w in self.workers:
+            for w in self.all_workers():
                 if w.alive() or not w.lock.acquire(blocking=False):
                     continue
                 try:
@@ -264,13 +295,13 @@ class Cluster:
             self._supervisor.join(5)
 
     def stop_workers(self) -> None:
-        for w in self.workers:
+        for w in self.all_workers():
             with contextlib.suppress(Exception):
                 w.terminate(grace=15.0)
 
     def shutdown(self) -> None:
         self.stop_supervising()
-        for w in self.workers:
+        for w in self.all_workers():
             with contextlib.suppress(Exception):
                 w.kill()
         for s in self.servers():

@@ -14,8 +14,12 @@ Kinds (``KINDS``):
 ``pg_restart``        restart PostgreSQL (results, protected table), fast or immediate
 ``store_unreachable`` SIGSTOP the lease store's Redis or PostgreSQL for 2..5 s, then SIGCONT
 
+and the kinds of :mod:`tests.chaos.server_faults` (``store_oom``,
+``store_readonly``, ``results_readonly``, ``store_long_outage``,
+``results_long_outage``, ``kill_after_commit``), each proven before it counts.
+
 The next kind is always one of the least injected so far (ties broken by the
-seeded RNG), so a run of n faults has every kind n / 9 times, give or take
+seeded RNG), so a run of n faults has every kind n / 15 times, give or take
 one. Every fault is appended to ``faults.jsonl`` with its real start and end
 time.
 """
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos.cluster import ChaosWorker, Cluster
+from tests.chaos.server_faults import SERVER_KINDS, ServerFaults
 
 __all__ = ["KINDS", "Injector"]
 
@@ -45,11 +50,12 @@ KINDS = (
     "store_restart",
     "pg_restart",
     "store_unreachable",
+    *SERVER_KINDS,
 )
 SKEWS = ("+1h", "-1h")
 
 
-class Injector:
+class Injector(ServerFaults):
     def __init__(
         self,
         cluster: Cluster,
@@ -73,6 +79,7 @@ class Injector:
         self._stop = threading.Event()
         self.running: dict[int, str] = {}  # pid -> task id, from the history's tail
         self._history_pos = 0
+        self.publish_probe = None
 
     # -- the loop ----------------------------------------------------------
 
@@ -111,9 +118,9 @@ class Injector:
 
     def _target(self, kind: str) -> Any:
         """A free target for ``kind``, its lock taken (released by ``_apply``)."""
-        if kind in ("worker_stop", "child_kill", "worker_kill", "clock_skew"):
+        if kind in ("worker_stop", "child_kill", "worker_kill", "clock_skew", "kill_after_commit"):
             candidates = [w for w in self.c.workers if w.alive()]
-            if kind == "child_kill":
+            if kind in ("child_kill", "kill_after_commit"):
                 candidates = [w for w in candidates if w.pool == "prefork" and not w.stopped()]
             if kind == "clock_skew":
                 candidates = [w for w in candidates if not w.skew]
@@ -128,6 +135,11 @@ class Injector:
             "store_restart": "store",
             "pg_restart": "pg",
             "store_unreachable": self.rng.choice(("store", "pg")),
+            "store_oom": "store",
+            "store_readonly": "store",
+            "store_long_outage": "store",
+            "results_readonly": "pg",
+            "results_long_outage": "pg",
         }[kind]
         lock = self.c.locks[name]
         return name if lock.acquire(blocking=False) else None

@@ -209,6 +209,7 @@ class Run:
         )
         self.rng = random.Random(opts.seed * 7919 + 1)
         self.submitted: list[dict[str, Any]] = []
+        self._submit_lock = threading.Lock()
         self.publish_errors = 0
 
     def log(self, msg: str) -> None:
@@ -248,6 +249,7 @@ class Run:
             injector = Injector(
                 self.cluster, self.rng, rate=opts.fault_rate, kinds=opts.kinds, log=self.log
             )
+            injector.publish_probe = self.submit_probe
             self.log(f"injecting faults for {opts.duration:.0f}s at {opts.fault_rate}/s")
             injector.run(until)
             submitter.join()
@@ -283,7 +285,6 @@ class Run:
     # -- submitting ------------------------------------------------------
 
     def submit(self, the_plan: list[dict[str, Any]], t0: float) -> None:
-        path = self.workdir / "submissions.jsonl"
         for item in the_plan:
             delay = t0 + item["at"] - time.monotonic()
             if delay > 0:
@@ -303,10 +304,30 @@ class Run:
                     self.publish_errors += 1
                     self.log(f"publish of {item['task_id']} failed ({e!r}); retrying")
                     time.sleep(0.5)
-            self.submitted.append(item)
-            with open(path, "a") as fh:
-                fh.write(json.dumps({**item, "submitted": time.time()}) + "\n")
+            self._submitted(item)
         self.log(f"submitted {len(self.submitted)} tasks")
+
+    def _submitted(self, item: dict[str, Any]) -> None:
+        with self._submit_lock:
+            self.submitted.append(item)
+            with open(self.workdir / "submissions.jsonl", "a") as fh:
+                fh.write(json.dumps({**item, "submitted": time.time()}) + "\n")
+
+    def submit_probe(self, task_id: str, key: str) -> None:
+        """A long outage's probe: ``chaos.probe`` on a key of its own (no contention),
+        judged by the checker like every other task (policy ``exclusive``)."""
+        self.tasks.probe.apply_async(args=(key, 0.05, -1), task_id=task_id)
+        self._submitted(
+            {
+                "n": -1,
+                "at": time.monotonic() - self.t0,
+                "task_id": task_id,
+                "key": key,
+                "policy": "exclusive",
+                "duration": 0.05,
+                "probe": True,
+            }
+        )
 
     # -- settling ----------------------------------------------------------
 
@@ -329,7 +350,12 @@ class Run:
         if c.broker_redis is not None:
             client = redis.Redis.from_url(c.env["CHAOS_BROKER"])
             try:
-                n = sum(int(client.llen(k)) for k in client.scan_iter(match="celery*"))
+                n = sum(
+                    int(client.llen(k))
+                    for pattern in ("celery*", "chaos.probe*")
+                    for k in client.scan_iter(match=pattern)
+                    if client.type(k) == b"list"
+                )
                 # Not counted: messages kombu will restore only in ~1 h (their
                 # unacked score came from a worker clock running an hour ahead).
                 stranded = int(client.zcount("unacked_index", time.time() + 60, "+inf"))
@@ -341,7 +367,7 @@ class Run:
         total = 0
         for line in out.splitlines():
             parts = line.split()
-            if len(parts) == 2 and parts[0] == "celery":
+            if len(parts) == 2 and parts[0] in ("celery", "chaos.probe"):
                 total += int(parts[1])
         return total
 
@@ -393,10 +419,17 @@ class Run:
         engine = create_engine(c.results_url)
         with engine.connect() as conn:
             accepted = [
-                Accepted(r.lease_key, int(r.fencing_token), r.task_id, float(r.accepted_at), r.id)
+                Accepted(
+                    r.lease_key,
+                    int(r.fencing_token),
+                    r.task_id,
+                    float(r.accepted_at),
+                    r.id,
+                    r.result,
+                )
                 for r in conn.execute(
                     text(
-                        "SELECT id, lease_key, fencing_token, task_id, accepted_at "
+                        "SELECT id, lease_key, fencing_token, task_id, accepted_at, result "
                         "FROM celery_lease_results ORDER BY id"
                     )
                 )
@@ -485,6 +518,8 @@ def _backend(meta: dict[str, Any]) -> Backend:
         if not isinstance(args, (list, tuple)):
             args = [args]
         return Backend(state, result.get("exc_type"), tuple(args))
+    if state == "SUCCESS":
+        return Backend(state, result=result)
     return Backend(state)
 
 
