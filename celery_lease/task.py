@@ -81,6 +81,8 @@ HEADER_DEFERRALS = "lease_deferrals"
 HEADER_DEFER_ID = "lease_defer_id"
 #: Store time before which a deferred copy must not claim (its ETA, in the store's clock).
 HEADER_NOT_BEFORE = "lease_not_before"
+#: Seconds a copy published without an ETA (no clock answered) waits before claiming.
+HEADER_DELAY = "lease_delay"
 #: Prefix of the store keys that mark an outstanding deferral of a task id.
 DEFER_MARKER = "celery-lease/defer/"
 
@@ -527,6 +529,10 @@ class _Execution:
         """A deferred copy that arrived early (this worker's clock runs ahead of
         the store's, so Celery's ETA passed too soon) waits out the rest here,
         before claiming, instead of deferring again at once, over and over."""
+        delay = getattr(self.req, HEADER_DELAY, None)
+        if isinstance(delay, (int, float)) and not isinstance(delay, bool) and delay > 0:
+            time.sleep(min(float(delay), self.opts.ttl + 1.0))
+            return
         not_before = getattr(self.req, HEADER_NOT_BEFORE, None)
         if not isinstance(not_before, (int, float)) or isinstance(not_before, bool):
             return
@@ -873,6 +879,7 @@ class _Execution:
         )
         when: dict[str, Any] = {"countdown": countdown}
         headers[HEADER_NOT_BEFORE] = None
+        headers[HEADER_DELAY] = None
         if countdown > 0:
             # Celery turns a countdown into an ETA by this worker's clock, and every
             # worker that receives the copy waits for it by its own: a clock one
@@ -884,7 +891,12 @@ class _Execution:
                 when = {"eta": datetime.fromtimestamp(eta, tz=timezone.utc)}
                 headers[HEADER_NOT_BEFORE] = eta
             except StoreUnavailable:
-                pass
+                # No clock answers (the store is down): a countdown would become
+                # an ETA by this worker's clock, maybe an hour off. Publish the
+                # copy for now instead; its receiver waits the delay out by its
+                # monotonic clock, before claiming (_wait_until_not_before).
+                when = {"countdown": 0}
+                headers[HEADER_DELAY] = round(countdown, 3)
         sig = self.task.signature_from_request(
             self.req, self.args, self.kwargs, headers=headers, **when
         )

@@ -220,6 +220,55 @@ def test_a_deferral_published_by_a_worker_an_hour_fast_runs_on_time(
     assert start["mono"] > cell.records(_is("end", first))[0]["mono"]
 
 
+def test_a_deferral_made_while_the_store_is_down_never_carries_a_skewed_eta(
+    tmp_path: Path, make_redis_server: Callable[..., RedisServer], pg_url: str
+) -> None:
+    """With the lease store down no clock answers, and Celery turned the
+    deferral's countdown into an ETA by the deferring worker's clock: a worker
+    an hour fast held the copy an hour for every other worker (a chaos run
+    left 41 copies so). The copy must carry no such ETA: it is published for
+    now, with the delay in a header its receiver waits out."""
+    broker, store = make_redis_server(), make_redis_server()
+    cell = Cell(tmp_path, broker, pg_url, store_url=store.url(2))
+    try:
+        cell.env["CHAOS_STORE_RETRY"] = "0.5"
+        skewed = cell.worker("skewed", "qa", skew="+1h")
+        store.stop()
+        task_id = str(uuid.uuid4())
+        cell.tasks.exclusive.apply_async(
+            (f"down-{task_id[:6]}", 0.1, 0), task_id=task_id, queue="qa"
+        )
+        wait_for(
+            lambda: f"LEASE_DEFERRED {task_id}" in skewed.log_text(),
+            30,
+            "the skewed worker to defer the task while the store is down",
+        )
+        skewed.stop_group()  # the copy stays where the broker has it
+        client = redis.Redis.from_url(broker.url(0))
+        raw = client.lrange("qa", 0, -1) + list(client.hgetall("unacked").values())
+        copies = [m for m in map(_message, raw) if m["headers"].get("id") == task_id]
+        assert copies, "the deferred copy is neither queued nor unacked"
+        eta = copies[-1]["headers"].get("eta")
+        skew = None
+        if eta is not None:
+            from datetime import datetime
+
+            skew = datetime.fromisoformat(eta).timestamp() - time.time()
+        assert eta is None, f"the copy carries an ETA {skew:.0f} s ahead of the real clock"
+        assert copies[-1]["headers"].get("lease_delay", 0) > 0
+    finally:
+        cell.close()
+
+
+def _message(raw: bytes) -> dict[str, Any]:
+    import json
+
+    payload = json.loads(raw)
+    if isinstance(payload, list):  # the unacked hash keeps [message, exchange, routing key]
+        payload = payload[0]
+    return payload  # type: ignore[no-any-return]
+
+
 def test_a_worker_an_hour_fast_waits_out_an_early_deferred_copy(cell: Cell) -> None:
     # The other side of taking the ETA from the store's clock: a worker whose
     # clock runs an hour ahead gets the deferred copy at once (its ETA has long
