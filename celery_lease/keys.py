@@ -257,7 +257,7 @@ class KeySpec:
         self, template: str, arguments: Mapping[str, Any], limits: KeyLimits | None = None
     ) -> list[str]:
         try:
-            return self._checked([template.format_map(arguments)], limits)
+            key = template.format_map(arguments)
         except KeyError as e:
             raise LeaseConfigError(
                 f"task {self.task_name!r}: lease_key {template!r} names argument "
@@ -268,6 +268,7 @@ class KeySpec:
                 f"task {self.task_name!r}: lease_key {template!r} cannot be formatted "
                 f"from this call's arguments: {e}"
             ) from e
+        return self._checked([key], limits)
 
     def _checked(self, found: list[Any], limits: KeyLimits | None = None) -> list[str]:
         if limits is not None:
