@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from celery_lease.exceptions import LeaseConfigError
+from celery_lease.keys import KeyLimits
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -81,6 +82,15 @@ SETTINGS: dict[str, tuple[Any, str]] = {
         5.0,
         "seconds to retry a claim while the store is unreachable before deferring",
     ),
+    "lease_max_keys": (
+        100,
+        "most lease keys one call may name (checked at publish and in the worker)",
+    ),
+    "lease_max_key_length": (
+        16384,
+        "longest lease key or tenant, in characters, before shortening (checked at publish "
+        "and in the worker)",
+    ),
     "lease_metrics_port": (None, "serve Prometheus metrics from the worker on this port"),
     "lease_store_options": (
         None,
@@ -113,6 +123,12 @@ class Config:
     metrics_port: int | None
     store_options: dict[str, Any]
     visibility_timeout: float | None
+    max_keys: int = 100
+    max_key_length: int = 16384
+
+    @property
+    def limits(self) -> KeyLimits:
+        return KeyLimits(self.max_keys, self.max_key_length)
 
     @classmethod
     def from_app(cls, app: Celery) -> Config:
@@ -204,6 +220,8 @@ class Config:
             metrics_port=port,
             store_options=dict(options),
             visibility_timeout=float(vt) if vt is not None else None,
+            max_keys=_count("lease_max_keys", get("lease_max_keys")),
+            max_key_length=_count("lease_max_key_length", get("lease_max_key_length")),
         )
 
 
@@ -214,6 +232,23 @@ def config(app: Celery) -> Config:
         cfg = Config.from_app(app)
         app._celery_lease_config = cfg
     return cfg
+
+
+def limits(app: Celery) -> KeyLimits:
+    """The app's key limits, without building its whole :class:`Config` (for publishers)."""
+    cfg: Config | None = getattr(app, "_celery_lease_config", None)
+    if cfg is not None:
+        return cfg.limits
+    conf = app.conf
+
+    def get(name: str) -> Any:
+        value = conf.get(name)
+        return DEFAULTS[name] if value is None else value
+
+    return KeyLimits(
+        _count("lease_max_keys", get("lease_max_keys")),
+        _count("lease_max_key_length", get("lease_max_key_length")),
+    )
 
 
 def check_renew_interval(

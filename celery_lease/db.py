@@ -1127,12 +1127,21 @@ SWEEP_RESULTS = "DELETE FROM celery_lease_results WHERE accepted_at < :cutoff"
 SWEEP_KEEP_FENCES = """
 INSERT INTO celery_lease_fences AS fe (resource, fencing_token, updated_at)
 SELECT lease_key, fencing_token, :now FROM celery_lease_leases
-WHERE expires_at < :cutoff ORDER BY lease_key
+WHERE expires_at < :cutoff AND substr(lease_key, 1, :internal_len) <> :internal
+ORDER BY lease_key
 ON CONFLICT (resource) DO UPDATE SET
     fencing_token = CASE WHEN fe.fencing_token > excluded.fencing_token
                          THEN fe.fencing_token ELSE excluded.fencing_token END
 """
 SWEEP_LEASES = "DELETE FROM celery_lease_leases WHERE expires_at < :cutoff"
+#: Internal markers (``celery-lease/...``, never a lease key) keep no fence:
+#: their fence rows go with their expired lease rows.
+SWEEP_INTERNAL_FENCES = """
+DELETE FROM celery_lease_fences
+WHERE substr(resource, 1, :internal_len) = :internal
+  AND NOT EXISTS (SELECT 1 FROM celery_lease_leases l
+                  WHERE l.lease_key = celery_lease_fences.resource AND l.expires_at >= :cutoff)
+"""
 #: fencing.guard(): accept ``token`` for ``resource`` unless a newer one was seen.
 GUARD = """
 INSERT INTO celery_lease_fences AS fe (resource, fencing_token, updated_at)

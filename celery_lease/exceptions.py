@@ -7,12 +7,17 @@ within the lease's validity) so no caller ever needs a catch-all handler.
 
 from __future__ import annotations
 
+from celery_lease.redaction import redact
+
 __all__ = [
     "DuplicateResult",
+    "KeyLimitExceeded",
     "LeaseConfigError",
     "LeaseError",
     "LeaseLost",
     "LeaseNotAcquired",
+    "LeaseScopeMismatch",
+    "LeaseUnauthorized",
     "ResultNotSerializable",
     "ResultTooLarge",
     "StaleFencingToken",
@@ -21,7 +26,15 @@ __all__ = [
 
 
 class LeaseError(Exception):
-    """Root of every error celery-lease raises."""
+    """Root of every error celery-lease raises.
+
+    Text arguments are redacted (:func:`celery_lease.redaction.redact`) when the
+    error is made: its message, ``repr``, the log records and events that quote
+    it, and its copy in the result backend never show a password from a URL.
+    """
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class _Structured(LeaseError):
@@ -33,8 +46,13 @@ class _Structured(LeaseError):
 
     _message = ""
 
+    def __init__(self, *args: object) -> None:
+        # The arguments are data (keys, tokens) to rebuild the error from, kept
+        # as given; only the message shown is redacted.
+        Exception.__init__(self, *args)
+
     def __str__(self) -> str:
-        return self._message
+        return redact(self._message)
 
 
 class LeaseNotAcquired(_Structured):
@@ -82,6 +100,21 @@ class DuplicateResult(_Structured):
 
 class LeaseConfigError(LeaseError, ValueError):
     """A ``lease_*`` setting, task option or key template is wrong."""
+
+
+class KeyLimitExceeded(LeaseConfigError):
+    """A call names more keys than ``lease_max_keys``, or a key or tenant longer
+    than ``lease_max_key_length`` characters."""
+
+
+class LeaseScopeMismatch(LeaseError):
+    """A message's ``lease_keys`` / ``lease_tenant`` headers disagree with what the
+    task's own templates derive from its arguments, or are malformed: refused
+    before anything is claimed or read."""
+
+
+class LeaseUnauthorized(LeaseError):
+    """The task's ``lease_authorize`` hook refused this call's tenant and keys."""
 
 
 class StoreUnavailable(LeaseError):

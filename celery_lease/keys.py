@@ -18,9 +18,18 @@ Tenant scoping (:func:`scoped`) is an injective encoding, so no tenant's key
 can equal another tenant's, or an unscoped key. Keys no store can hold as
 given -- longer than :data:`MAX_KEY_LENGTH`, or containing NUL or a lone
 surrogate -- become ``<readable prefix>~<sha256 of the whole>`` (:func:`shorten`):
-deterministic, and distinct keys stay distinct (short of a SHA-256 collision).
-Every store applies the same mapping at its boundary, so a caller may pass
-any ``str``.
+deterministic and idempotent. Every store applies the same mapping at its
+boundary, so a caller may pass any ``str``.
+
+A key a task derives (:class:`KeySpec`, from arguments that may be user
+input) goes through :func:`user_key` instead, which also hashes a key that
+merely *looks* shortened (``...~<64 hex digits>``): otherwise a short key
+crafted in that shape would pass through unchanged and equal the shortened
+form of someone else's long key. Ordinary keys keep their form.
+
+Keys starting with ``t/`` (tenant scopes) or :data:`INTERNAL_PREFIX` (the
+plugin's own records, such as deferral markers) are refused as unscoped user
+keys, so no user key can reach a scope or an internal record.
 """
 
 from __future__ import annotations
@@ -31,13 +40,28 @@ import json
 import re
 import string
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from celery_lease.exceptions import LeaseConfigError
+from celery_lease.exceptions import KeyLimitExceeded, LeaseConfigError
 
-__all__ = ["MAX_KEY_LENGTH", "KeySpec", "canonical_json", "scoped", "shorten"]
+__all__ = [
+    "INTERNAL_PREFIX",
+    "MAX_KEY_LENGTH",
+    "KeyLimits",
+    "KeySpec",
+    "canonical_json",
+    "check_limits",
+    "scoped",
+    "shorten",
+    "user_key",
+]
 
 MAX_KEY_LENGTH = 200
+#: Store keys of the plugin's own records (deferral markers): no user key may start so.
+INTERNAL_PREFIX = "celery-lease/"
+#: The tail :func:`shorten` gives a key: ``~`` and a SHA-256 in hex.
+_SHORTENED = re.compile("~[0-9a-f]{64}\\Z")
 #: Characters no store keeps verbatim: PostgreSQL text refuses NUL, and a lone
 #: surrogate has no UTF-8 encoding.
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
@@ -64,6 +88,21 @@ def shorten(key: str) -> str:
     """
     if len(key) <= MAX_KEY_LENGTH and not _UNSTORABLE.search(key):
         return key
+    return _hashed(key)
+
+
+def user_key(key: str) -> str:
+    """A derived (user-supplied) key as stores hold it, never equal to another key's
+    shortened form: like :func:`shorten`, but a key already in the shortened
+    shape (``...~<sha256 hex>``) is hashed too. Injective over all strings
+    (short of a SHA-256 collision): a result in that shape is always the hash
+    of its input, any other result is its input. Ordinary keys are unchanged."""
+    if _SHORTENED.search(key) is None:
+        return shorten(key)
+    return _hashed(key)
+
+
+def _hashed(key: str) -> str:
     digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
     head = _UNSTORABLE.sub("\ufffd", key[: MAX_KEY_LENGTH - 66])
     return f"{head}~{digest}"
@@ -85,6 +124,11 @@ def scoped(key: str, tenant: str | None) -> str:
             raise LeaseConfigError(
                 f"lease key {key!r}: keys starting with 't/' are reserved for tenant scopes"
             )
+        if key.startswith(INTERNAL_PREFIX):
+            raise LeaseConfigError(
+                f"lease key {key!r}: keys starting with {INTERNAL_PREFIX!r} are reserved for "
+                "celery-lease's own records"
+            )
         return shorten(key)
     if not isinstance(tenant, str) or not tenant:
         raise LeaseConfigError(f"a tenant is a non-empty string, got {tenant!r}")
@@ -94,6 +138,30 @@ def scoped(key: str, tenant: str | None) -> str:
             "cannot store"
         )
     return shorten(f"t/{len(tenant)}:{tenant}/{key}")
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """The ``lease_max_keys`` / ``lease_max_key_length`` settings."""
+
+    max_keys: int
+    max_key_length: int
+
+
+def check_limits(task_name: str, keys: Sequence[Any], limits: KeyLimits) -> None:
+    """Refuse a call over the limits before anything is hashed, claimed or read:
+    one claim of 20,000 keys blocks a Redis server for a noticeable time."""
+    if len(keys) > limits.max_keys:
+        raise KeyLimitExceeded(
+            f"task {task_name!r}: {len(keys)} lease keys in one call, more than "
+            f"lease_max_keys ({limits.max_keys})"
+        )
+    for k in keys:
+        if isinstance(k, str) and len(k) > limits.max_key_length:
+            raise KeyLimitExceeded(
+                f"task {task_name!r}: a lease key or tenant of {len(k)} characters "
+                f"({k[:40]!r}...), longer than lease_max_key_length ({limits.max_key_length})"
+            )
 
 
 class KeySpec:
@@ -158,15 +226,21 @@ class KeySpec:
                 arguments.update(arguments.pop(name))
         return arguments
 
-    def keys(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[str]:
-        """The call's lease keys (one or more), shortened when too long."""
+    def keys(
+        self,
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any],
+        limits: KeyLimits | None = None,
+    ) -> list[str]:
+        """The call's lease keys (one or more), shortened when too long (:func:`user_key`);
+        with ``limits``, refused when over them."""
         template = self.template
         if callable(template):
             produced = template(*args, **kwargs)
             found = [produced] if isinstance(produced, str) else list(produced)
         elif isinstance(template, str):
             arguments = {name: _ordered(v) for name, v in self.bind(args, kwargs).items()}
-            return self._format(template, arguments)
+            return self._format(template, arguments, limits)
         else:
             arguments = self.bind(args, kwargs)
             try:
@@ -177,11 +251,13 @@ class KeySpec:
                     f"JSON, and these are not JSON ({e}); give the task a lease_key"
                 ) from e
             found = [f"{self.task_name}:{hashlib.sha256(blob.encode()).hexdigest()}"]
-        return self._checked(found)
+        return self._checked(found, limits)
 
-    def _format(self, template: str, arguments: Mapping[str, Any]) -> list[str]:
+    def _format(
+        self, template: str, arguments: Mapping[str, Any], limits: KeyLimits | None = None
+    ) -> list[str]:
         try:
-            return self._checked([template.format_map(arguments)])
+            key = template.format_map(arguments)
         except KeyError as e:
             raise LeaseConfigError(
                 f"task {self.task_name!r}: lease_key {template!r} names argument "
@@ -192,13 +268,17 @@ class KeySpec:
                 f"task {self.task_name!r}: lease_key {template!r} cannot be formatted "
                 f"from this call's arguments: {e}"
             ) from e
+        return self._checked([key], limits)
 
-    def _checked(self, found: list[Any]) -> list[str]:
+    def _checked(self, found: list[Any], limits: KeyLimits | None = None) -> list[str]:
+        if limits is not None:
+            check_limits(self.task_name, found, limits)
         if not found or not all(isinstance(k, str) and k for k in found):
             raise LeaseConfigError(
-                f"task {self.task_name!r}: lease_key produced {found!r}; keys are non-empty strings"
+                f"task {self.task_name!r}: lease_key produced {found[:10]!r}; keys are "
+                "non-empty strings"
             )
-        return [shorten(k) for k in found]
+        return [user_key(k) for k in found]
 
     def keys_for_lookup(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[str]:
         """The keys a call with (only) these arguments would lease, for reading results.

@@ -67,7 +67,7 @@ from celery_lease.exceptions import (
     StaleFencingToken,
     StoreUnavailable,
 )
-from celery_lease.keys import shorten
+from celery_lease.keys import INTERNAL_PREFIX, shorten
 from celery_lease.stores.base import (
     Lease,
     LeaseStore,
@@ -581,7 +581,9 @@ class ResultTable:
         and lease rows expired for over ``lease_grace`` seconds.
 
         Never lowers a fence: a swept lease row's token is kept in its fence
-        row first, so a later claim still gets a larger token. Note that in
+        row first, so a later claim still gets a larger token. Internal
+        markers (``celery-lease/...``: deferral markers, not leases) keep no
+        fence: theirs is deleted with their row. Note that in
         ``once`` mode a swept result no longer blocks a duplicate: retention
         bounds the deduplication window.
 
@@ -615,7 +617,9 @@ class ResultTable:
                     q.stmt(q.SWEEP_RESULTS), {"cutoff": now - result_expires}
                 ).rowcount
             cutoff = now - lease_grace
-            conn.execute(q.stmt(q.SWEEP_KEEP_FENCES), {"cutoff": cutoff, "now": now})
+            internal = {"internal": INTERNAL_PREFIX, "internal_len": len(INTERNAL_PREFIX)}
+            conn.execute(q.stmt(q.SWEEP_KEEP_FENCES), {"cutoff": cutoff, "now": now, **internal})
+            conn.execute(q.stmt(q.SWEEP_INTERNAL_FENCES), {"cutoff": cutoff, **internal})
             swept_leases = conn.execute(q.stmt(q.SWEEP_LEASES), {"cutoff": cutoff}).rowcount
         logger.info(
             "swept",

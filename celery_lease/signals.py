@@ -132,7 +132,8 @@ def _process_shutdown(**kwargs: Any) -> None:
 def _revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> None:
     if not terminated or request is None:
         return
-    from celery_lease.task import HEADER_KEYS, HEADER_TENANT, runtime
+    from celery_lease.scope import HEADER_KEYS, HEADER_TENANT
+    from celery_lease.task import runtime
 
     task = getattr(request, "task", None)
     app = getattr(task, "app", None)

@@ -56,6 +56,7 @@ from celery_lease.config import (
     check_renew_interval,
     choice,
     config,
+    limits,
 )
 from celery_lease.exceptions import (
     DuplicateResult,
@@ -66,25 +67,25 @@ from celery_lease.exceptions import (
     StaleFencingToken,
     StoreUnavailable,
 )
-from celery_lease.keys import KeySpec, scoped
+from celery_lease.keys import INTERNAL_PREFIX, KeySpec, scoped
 from celery_lease.renewal import HeldLease, renewer
 from celery_lease.results import AcceptedResult, Prepared, ResultTable, encode_result
+from celery_lease.scope import HEADER_KEYS, HEADER_TENANT, authorize, publish_headers, resolve
 from celery_lease.stores.base import LeaseRecord, LeaseStore, new_owner_id
 
 __all__ = ["LeasedTask", "Runtime", "runtime"]
 
 logger = logging.getLogger(__name__)
 
-HEADER_KEYS = "lease_keys"
-HEADER_TENANT = "lease_tenant"
 HEADER_DEFERRALS = "lease_deferrals"
 HEADER_DEFER_ID = "lease_defer_id"
 #: Store time before which a deferred copy must not claim (its ETA, in the store's clock).
 HEADER_NOT_BEFORE = "lease_not_before"
 #: Seconds a copy published without an ETA (no clock answered) waits before claiming.
 HEADER_DELAY = "lease_delay"
-#: Prefix of the store keys that mark an outstanding deferral of a task id.
-DEFER_MARKER = "celery-lease/defer/"
+#: Prefix of the store markers of an outstanding deferral of a task id: in the
+#: reserved namespace no user key can reach (celery_lease.keys.scoped refuses it).
+DEFER_MARKER = INTERNAL_PREFIX + "defer/"
 
 
 class Runtime:
@@ -157,6 +158,10 @@ class LeasedTask(Task):  # type: ignore[misc]
     lease_on_duplicate: ClassVar[str | None] = None
     lease_tenant: ClassVar[str | Callable[..., Any] | None] = None
     lease_commit: ClassVar[bool] = True
+    #: ``lease_authorize(self, tenant, keys, args, kwargs) -> bool``: called in the
+    #: worker before the claim; anything but ``True`` refuses the call
+    #: (``LeaseUnauthorized``) before any look-up or duplicate decision.
+    lease_authorize: ClassVar[Callable[..., Any] | None] = None
 
     _lease_track_started: ClassVar[bool] = False
     _lease_keyspec: ClassVar[KeySpec | None] = None
@@ -227,11 +232,13 @@ class LeasedTask(Task):  # type: ignore[misc]
         Retries and redeliveries then use the same keys; a key template that
         does not fit the call fails here, naming the task and the argument.
         """
-        headers = dict(options.pop("headers", None) or {})
-        if HEADER_KEYS not in headers:
-            headers[HEADER_KEYS] = self.lease_keys_for(args or (), kwargs or {})
-            if HEADER_TENANT not in headers:
-                headers[HEADER_TENANT] = self.lease_tenant_for(args or (), kwargs or {})
+        headers = publish_headers(
+            self,
+            args or (),
+            kwargs or {},
+            dict(options.pop("headers", None) or {}),
+            limits(self.app),
+        )
         return super().apply_async(
             args, kwargs, task_id, producer, link, link_error, shadow, headers=headers, **options
         )
@@ -354,13 +361,16 @@ class _Execution:
         self.opts = task._options(self.cfg)
         self.task_id: str = self.req.id
         self.hostname: str | None = self.req.hostname
-        header_keys = getattr(self.req, HEADER_KEYS, None)
-        if header_keys:
-            self.keys = [str(k) for k in header_keys]
-            self.tenant: str | None = getattr(self.req, HEADER_TENANT, None)
-        else:  # sent by a client without the header (send_task, another language)
-            self.keys = task.lease_keys_for(args, kwargs)
-            self.tenant = task.lease_tenant_for(args, kwargs)
+        # Templates first, headers checked against them (celery_lease.scope):
+        # a publisher's headers never override the task's own definition.
+        self.keys, self.tenant = resolve(
+            task,
+            args,
+            kwargs,
+            getattr(self.req, HEADER_KEYS, None),
+            getattr(self.req, HEADER_TENANT, None),
+            self.cfg.limits,
+        )
         self.scoped = [scoped(k, self.tenant) for k in self.keys]
         self.key = self.scoped[0]
         self.meta = {
@@ -377,6 +387,7 @@ class _Execution:
     # -- the whole path ----------------------------------------------------------
 
     def run(self) -> Any:
+        authorize(self.task, self.tenant, self.keys, self.args, self.kwargs)
         held = self.claim()
         self.held = held
         finished = False
@@ -515,10 +526,10 @@ class _Execution:
             policy = self.opts.on_conflict
             if policy == "reject":
                 metrics.claims.labels("rejected").inc()
-                self.reject(
-                    LeaseNotAcquired(self.key, holder.owner_id if holder else None, remaining),
-                    reason="conflict",
-                )
+                # The caller learns the key is busy, not who holds it: an owner
+                # id names another execution (with its token, all a forged
+                # release needs).
+                self.reject(LeaseNotAcquired(self.key, None, remaining), reason="conflict")
             if policy == "wait" and time.monotonic() < waited_until:
                 time.sleep(min(_jitter(delay), max(0.0, waited_until - time.monotonic())))
                 delay = min(delay * 2, 2.0)
@@ -588,7 +599,7 @@ class _Execution:
             raise Ignore()
         if prepared.duplicate_token is not None:
             self.release()
-            self.duplicate(DuplicateResult(self.key, prepared.duplicate_token))
+            self.duplicate(DuplicateResult(self.key, self._shown_token(prepared.duplicate_token)))
 
     def _store_accepted(self, token: int) -> None:
         """Store SUCCESS with this task id's accepted value unless the backend has it.
@@ -690,7 +701,7 @@ class _Execution:
                 self.not_done(e, events.FENCED)
             except DuplicateResult as e:
                 held.released = True
-                self.duplicate(e)
+                self.duplicate(DuplicateResult(e.key, self._shown_token(e.accepted_token)))
             except StoreUnavailable as e:
                 if time.monotonic() + delay < deadline:
                     time.sleep(_jitter(delay))
@@ -809,6 +820,11 @@ class _Execution:
             raise Ignore()
         self.reject(exc, reason="duplicate")
 
+    def _shown_token(self, token: int | None) -> int | None:
+        """The accepted token a duplicate's failure names: none in a tenant's scope,
+        where it would tell the caller about another execution's grant."""
+        return None if self.tenant is not None else token
+
     def reject(self, exc: LeaseError, reason: str) -> NoReturn:
         self._store_failure(exc)
         self.event(events.LEASE_REJECTED, reason=f"{reason}: {exc}")
@@ -860,8 +876,8 @@ class _Execution:
         # left a marker with no copy behind it, and the redelivered message
         # was then dropped as a duplicate of a copy that did not exist.
         try:
-            record = self.rt.store.inspect(marker)
-            queued_elsewhere = record is not None and record.live and record.owner_id != defer_id
+            queued_by = self.rt.store.marker(marker)
+            queued_elsewhere = queued_by is not None and queued_by != defer_id
         except StoreUnavailable:
             queued_elsewhere = False  # cannot check: a second copy beats losing the work
         if queued_elsewhere:
@@ -917,9 +933,8 @@ class _Execution:
             )
             raise Reject(e, requeue=True) from e
         try:
-            self.rt.store.claim(
-                marker, ttl=countdown + max(self.opts.ttl, 10.0), owner_id=defer_id
-            )  # None: another chain marked meanwhile; two copies are harmless
+            # False: another chain marked meanwhile; two copies are harmless.
+            self.rt.store.mark(marker, defer_id, ttl=countdown + max(self.opts.ttl, 10.0))
         except StoreUnavailable:
             pass
         self.event(events.LEASE_DEFERRED, countdown=round(countdown, 3), reason=reason)

@@ -92,6 +92,8 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str]] = [
     ({"lease_result_expires": "1d"}, r"lease_result_expires must be a number of seconds, got '1d'"),
     ({"lease_result_max_bytes": 0}, r"lease_result_max_bytes must be greater than 0, got 0"),
     ({"lease_result_max_bytes": 0.5}, r"lease_result_max_bytes must be a whole number \(1, 2, \.\.\.\), got 0.5"),
+    ({"lease_max_keys": 0}, r"lease_max_keys must be greater than 0, got 0"),
+    ({"lease_max_key_length": 1.5}, r"lease_max_key_length must be a whole number \(1, 2, \.\.\.\), got 1.5"),
     ({"lease_defer_max": 2.5}, r"lease_defer_max must be a whole number \(1, 2, \.\.\.\), got 2.5"),
     ({"lease_defer_max": True}, r"lease_defer_max must be a number of seconds, got True"),
     ({"lease_wait_timeout": 0}, r"lease_wait_timeout must be greater than 0, got 0"),

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import celery_lease
-from celery_lease import LeaseStore, StaleFencingToken
+from celery_lease import LeaseScopeMismatch, LeaseStore, StaleFencingToken
 from celery_lease.keys import scoped
 from celery_lease.results import ResultTable
 from tests.sec_cluster import Cluster
@@ -299,9 +299,13 @@ def test_same_key_under_two_tenants_runs_concurrently_on_real_workers(
             assert got is not None and got.task_id == by_template[tenant].id
         assert c.tasks.work.accepted(key2) is None  # unscoped: sees neither tenant's result
 
-        # A bad tenant header is refused with a named error, not run unscoped.
-        bad = c.tasks.work.apply_async((_key(),), headers={"lease_tenant": ""})
+        # A bad tenant header is refused with a named error, not run unscoped:
+        # at publish, and by the worker for a message from another publisher.
+        with pytest.raises(LeaseScopeMismatch, match="a tenant is a non-empty string"):
+            c.tasks.work.apply_async((_key(),), headers={"lease_tenant": ""})
+        bad = c.app.send_task("leaseapp.work", (_key(),), headers={"lease_tenant": ""})
         _, exc = c.wait_state(bad.id, ("FAILURE",))
+        assert type(exc).__name__ == "LeaseScopeMismatch"
         assert "a tenant is a non-empty string" in str(exc)
         assert c.rows("start", bad.id) == []
         wait_for(lambda: c.workers[0].alive(), 5, "worker alive")

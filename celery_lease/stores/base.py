@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery_lease.exceptions import LeaseConfigError, LeaseNotAcquired
 from celery_lease.keys import has_unstorable, shorten
+from celery_lease.redaction import redact
 
 if TYPE_CHECKING:
     from celery_lease.renewal import HeldLease
@@ -370,6 +371,24 @@ class LeaseStore(ABC):
         finally:
             held.release()
 
+    # -- internal markers ---------------------------------------------------
+
+    def mark(self, name: str, owner_id: str, *, ttl: float) -> bool:
+        """Set the internal marker ``name`` to ``owner_id`` for ``ttl`` seconds, unless
+        another owner's live marker is there (then False).
+
+        Markers (deferral markers: ``celery-lease/...``, a namespace no user key
+        reaches) are not leases: no token. A store that keeps them apart from
+        leases gives them no fence either; this default keeps them as leases,
+        whose records ``lease sweep`` removes (SQL).
+        """
+        return self.claim(name, ttl=ttl, owner_id=owner_id) is not None
+
+    def marker(self, name: str) -> str | None:
+        """The owner of the live marker ``name``, or None."""
+        record = self.inspect(name)
+        return record.owner_id if record is not None and record.live else None
+
     def time(self) -> float:
         """The store's clock, epoch seconds."""
         return self.do_time()
@@ -418,14 +437,9 @@ class LeaseStore(ABC):
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced, for logs and errors."""
-    if "@" not in url or "://" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    if ":" in creds:
-        creds = creds.split(":", 1)[0] + ":***"
-    return f"{scheme}://{creds}@{host}"
+    """``url`` with its password and password-like query parameters masked
+    (:func:`celery_lease.redaction.redact`), for logs, errors and CLI output."""
+    return redact(url)
 
 
 def _builtin_store(scheme: str) -> type[LeaseStore] | None:

@@ -6,6 +6,14 @@ Layout, per key (hash-tagged so a key's lease and counter share a Cluster slot):
                              renewed (µs, Redis clock), task_id, task_name,
                              root_id, tenant; PEXPIRE = ttl
     {prefix}:fence:{<key>}   string: the newest token issued; never expires
+    {prefix}:mark:<name>     string: an internal marker's owner; PEXPIRE = ttl
+                             (no fence: markers are not leases)
+
+A key starting with ``}`` would give an empty hash tag (Redis Cluster then
+hashes the whole name, and a key's lease and fence land in different slots):
+its names are ``...:{\0}<key>}`` instead, tagged ``\0``. No store key
+contains NUL (:func:`celery_lease.keys.shorten`), so no other key's names
+look like that.
 
 Tokens only grow, even if Redis loses its data. A grant's token is
 ``max(counter + 1, TIME in µs)``: the counter covers many grants within one
@@ -281,10 +289,25 @@ class RedisLeaseStore(LeaseStore):
     # -- key names ---------------------------------------------------------
 
     def lease_name(self, key: str) -> str:
-        return f"{self.prefix}:lease:{{{key}}}"
+        return f"{self.prefix}:lease:{{{_tag(key)}}}"
 
     def fence_name(self, key: str) -> str:
-        return f"{self.prefix}:fence:{{{key}}}"
+        return f"{self.prefix}:fence:{{{_tag(key)}}}"
+
+    def mark(self, name: str, owner_id: str, *, ttl: float) -> bool:
+        marker = f"{self.prefix}:mark:{name}"
+        ms = _ms(ttl)
+        with self.errors():
+            if self.client.set(marker, owner_id, px=ms, nx=True):
+                return True
+            if _str(self.client.get(marker) or "") == owner_id:  # this chain's own: extend
+                return bool(self.client.set(marker, owner_id, px=ms, xx=True))
+        return False
+
+    def marker(self, name: str) -> str | None:
+        with self.errors():
+            value = self.client.get(f"{self.prefix}:mark:{name}")
+        return _str(value) if value is not None else None
 
     # -- running a script --------------------------------------------------
 
@@ -342,10 +365,12 @@ class RedisLeaseStore(LeaseStore):
     ) -> Lease | None:
         prefix = self.prefix
         if len(keys) == 1:
-            names = [f"{prefix}:lease:{{{primary}}}", f"{prefix}:fence:{{{primary}}}"]
+            tag = _tag(primary)
+            names = [f"{prefix}:lease:{{{tag}}}", f"{prefix}:fence:{{{tag}}}"]
         else:
-            names = [f"{prefix}:lease:{{{k}}}" for k in keys]
-            names += [f"{prefix}:fence:{{{k}}}" for k in keys]
+            tags = [_tag(k) for k in keys]
+            names = [f"{prefix}:lease:{{{t}}}" for t in tags]
+            names += [f"{prefix}:fence:{{{t}}}" for t in tags]
         ms = _ms(ttl)
         args: builtins.list[Any] = [owner_id, ms]
         if meta:
@@ -379,9 +404,9 @@ class RedisLeaseStore(LeaseStore):
         keys = lease.keys
         prefix = self.prefix
         if len(keys) == 1:
-            names = [f"{prefix}:lease:{{{keys[0]}}}"]
+            names = [f"{prefix}:lease:{{{_tag(keys[0])}}}"]
         else:
-            names = [f"{prefix}:lease:{{{k}}}" for k in keys]
+            names = [f"{prefix}:lease:{{{_tag(k)}}}" for k in keys]
         try:
             n = self._run(self._release, names, [lease.owner_id, str(lease.token)])
         except RedisError as e:
@@ -421,12 +446,12 @@ class RedisLeaseStore(LeaseStore):
     def do_list(self, prefix: str, expired: bool) -> builtins.list[LeaseRecord]:
         # Redis deletes expired leases itself: there are no expired records to list.
         head = f"{self.prefix}:lease:{{"
-        match = _glob_escape(head + prefix) + "*"
+        match = _glob_escape(head + _tag(prefix)) + "*"
         records: builtins.list[LeaseRecord] = []
         with self.errors():
             names = [_str(n) for n in self.client.scan_iter(match=match, count=1000)]
             pipe = self.client.pipeline(transaction=False)
-            keys = sorted(n[len(head) : -1] for n in names)
+            keys = sorted(_untag(n[len(head) : -1]) for n in names)
             for key in keys:
                 self._inspect(keys=[self.lease_name(key), self.fence_name(key)], client=pipe)
             replies = pipe.execute() if keys else []
@@ -580,6 +605,15 @@ def _s(micros: Any) -> float:
 
 def _str(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _tag(key: str) -> str:
+    """``key`` as it goes between the braces of its names (see the module docstring)."""
+    return "\0}" + key if key.startswith("}") else key
+
+
+def _untag(tagged: str) -> str:
+    return tagged[2:] if tagged.startswith("\0}") else tagged
 
 
 def _glob_escape(s: str) -> str:

@@ -9,6 +9,12 @@
   ``self.lease.ensure()`` every 50 ms, and logs ``lost`` (and re-raises) the
   moment the lease is gone, so a test sees *when* the body learnt of it;
 - ``tenantapp.keyed(key)``: any key string; returns the key's SHA-256.
+- ``tenantapp.report_for(doc, tenant, tag="")``: ``once`` + ``return`` over
+  ``lease_key="{doc}"``, ``lease_tenant="{tenant}"``;
+- ``tenantapp.guarded(doc, tenant, caller, tag="")``: the same, with a
+  ``lease_authorize`` hook that allows a caller only into its own tenant;
+- ``tenantapp.plain(x)``: no templates at all (default key; headers scope it);
+- ``tenantapp.many(n)``: a key callable giving ``n`` keys.
 """
 
 from __future__ import annotations
@@ -61,6 +67,66 @@ def build_tenant(environ: Any) -> tuple[Any, Any]:
         record(log, "start", task_id=self.request.id, sha=digest, token=self.lease.token)
         return {"sha": digest, "token": self.lease.token, "lease_key": self.lease.key}
 
+    def report(self: Any, doc: str, tenant: str, tag: str) -> Any:
+        value = _body(self, doc, 0.0, tag, log)
+        return {**value, "tenant": tenant, "doc": doc}
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="tenantapp.report_for",
+        lease_key="{doc}",
+        lease_tenant="{tenant}",
+        lease_mode="once",
+        lease_on_duplicate="return",
+    )
+    def report_for(self: Any, doc: str, tenant: str, tag: str = "") -> Any:
+        return report(self, doc, tenant, tag)
+
+    def own_tenant_only(
+        self: Any,
+        tenant: str | None,
+        keys: list[str],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> bool:
+        record(log, "authorize", task_id=self.request.id, tenant=tenant, keys=keys)
+        return kwargs.get("caller") == tenant
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="tenantapp.guarded",
+        lease_key="{doc}",
+        lease_tenant="{tenant}",
+        lease_mode="once",
+        lease_on_duplicate="return",
+        lease_authorize=own_tenant_only,
+    )
+    def guarded(self: Any, doc: str, tenant: str, caller: str, tag: str = "") -> Any:
+        return report(self, doc, tenant, tag)
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tenantapp.plain")
+    def plain(self: Any, x: str) -> Any:
+        record(log, "start", task_id=self.request.id, token=self.lease.token)
+        return {"x": x, "keys": list(self.lease.keys)}
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="tenantapp.many",
+        lease_key=lambda n: [f"many-{i}" for i in range(n)],
+    )
+    def many(self: Any, n: int) -> Any:
+        return len(self.lease.keys)
+
+    tasks.report_for = report_for
+    tasks.guarded = guarded
+    tasks.plain = plain
+    tasks.many = many
     tasks.work_for = work_for
     tasks.keyed = keyed
     tasks.checked = checked

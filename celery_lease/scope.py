@@ -1,0 +1,153 @@
+"""Where a leased call's keys and tenant come from, and who may use them.
+
+The policy, the same at publish (``apply_async``) and in the worker:
+
+- A task that declares ``lease_key`` (a template or callable) takes its keys
+  from the message's *arguments*; one that declares ``lease_tenant`` takes its
+  tenant from them. A ``lease_keys`` / ``lease_tenant`` header is then only a
+  cache: one that disagrees with what the arguments give is refused
+  (:class:`LeaseScopeMismatch`), before anything is claimed or read.
+- What a task does not declare comes from the headers, both read together:
+  ``lease_keys`` (else the default key, a hash of the arguments) and
+  ``lease_tenant`` (else unscoped). A malformed header is refused.
+- Every call is held to ``lease_max_keys`` / ``lease_max_key_length``
+  (:class:`KeyLimitExceeded`), and reserved keys (``t/...``,
+  ``celery-lease/...``) are refused.
+- The task's ``lease_authorize(self, tenant, keys, args, kwargs)`` hook, if
+  any, runs in the worker before the claim, so no duplicate decision (``once``
+  + ``return``) or conflict failure ever answers a call it refuses.
+
+Anyone who can publish to the broker can already choose a task's arguments:
+this module makes the headers no stronger than the arguments, and the hook is
+where the caller's identity is checked against them. Against an untrusted
+broker, use Celery's message signing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from celery_lease.exceptions import LeaseScopeMismatch, LeaseUnauthorized
+from celery_lease.keys import KeyLimits, check_limits, scoped
+
+if TYPE_CHECKING:
+    from celery_lease.task import LeasedTask
+
+__all__ = ["HEADER_KEYS", "HEADER_TENANT", "authorize", "publish_headers", "resolve"]
+
+HEADER_KEYS = "lease_keys"
+HEADER_TENANT = "lease_tenant"
+
+
+def resolve(
+    task: LeasedTask,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    header_keys: Any,
+    header_tenant: Any,
+    limits: KeyLimits,
+) -> tuple[list[str], str | None]:
+    """``(keys, tenant)`` of a call: unscoped keys as the task names them, and its tenant."""
+    tenant_spec = type(task)._lease_tenantspec
+    if tenant_spec is not None:
+        tenant: str | None = tenant_spec.keys(args, kwargs, limits)[0]
+        if header_tenant is not None and header_tenant != tenant:
+            raise LeaseScopeMismatch(
+                f"task {task.name!r}: the message's lease_tenant header {_short(header_tenant)} "
+                f"is not the tenant its arguments give ({_short(tenant)}); refused"
+            )
+    else:
+        tenant = _header_tenant(task, header_tenant, limits)
+    if task.lease_key is not None or not header_keys:
+        keys = task._spec().keys(args, kwargs, limits)
+        if header_keys and task.lease_key is not None and _as_list(header_keys) != keys:
+            raise LeaseScopeMismatch(
+                f"task {task.name!r}: the message's lease_keys header "
+                f"({_short_keys(header_keys)}) is not what its arguments give "
+                f"({_short_keys(keys)}); refused"
+            )
+    else:
+        keys = _header_keys(task, header_keys, limits)
+    for key in keys:
+        scoped(key, tenant)  # refuses reserved keys (t/..., celery-lease/...)
+    return keys, tenant
+
+
+def publish_headers(
+    task: LeasedTask,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    headers: dict[str, Any],
+    limits: KeyLimits,
+) -> dict[str, Any]:
+    """``headers`` with the call's keys and tenant filled in (or refused, as the worker would)."""
+    keys, tenant = resolve(
+        task, args, kwargs, headers.get(HEADER_KEYS), headers.get(HEADER_TENANT), limits
+    )
+    headers[HEADER_KEYS] = keys
+    headers[HEADER_TENANT] = tenant
+    return headers
+
+
+def authorize(
+    task: LeasedTask,
+    tenant: str | None,
+    keys: Sequence[str],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> None:
+    """Run the task's ``lease_authorize`` hook; anything but ``True`` refuses the call."""
+    hook = getattr(task, "lease_authorize", None)
+    if hook is None:
+        return
+    if hook(tenant, list(keys), tuple(args), dict(kwargs)) is not True:
+        raise LeaseUnauthorized(
+            f"task {task.name!r}: lease_authorize refused tenant {_short(tenant)} for "
+            f"{_short_keys(keys)}"
+        )
+
+
+def _header_tenant(task: LeasedTask, value: Any, limits: KeyLimits) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise LeaseScopeMismatch(
+            f"task {task.name!r}: the lease_tenant header must be a non-empty string (a tenant "
+            f"is a non-empty string), got {_short(value)}"
+        )
+    check_limits(task.name, [value], limits)
+    return value
+
+
+def _header_keys(task: LeasedTask, value: Any, limits: KeyLimits) -> list[str]:
+    keys = _as_list(value)
+    if keys is None:
+        raise LeaseScopeMismatch(
+            f"task {task.name!r}: the lease_keys header must be a list of keys, got "
+            f"{type(value).__name__}"
+        )
+    check_limits(task.name, keys, limits)
+    if not all(isinstance(k, str) and k for k in keys):
+        raise LeaseScopeMismatch(
+            f"task {task.name!r}: the lease_keys header must hold non-empty strings"
+        )
+    return keys
+
+
+def _as_list(value: Any) -> list[Any] | None:
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _short_keys(keys: Any) -> str:
+    if not isinstance(keys, (list, tuple)):
+        return _short(keys)
+    head = ", ".join(_short(k) for k in keys[:3])
+    return f"{len(keys)} keys: {head}{', ...' if len(keys) > 3 else ''}"

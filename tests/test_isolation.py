@@ -1,0 +1,236 @@
+"""Tenant isolation for every publisher, on real workers (issue 17, items 1-5).
+
+Keys and tenant come from the task's own templates; headers are a cache that
+must agree, and scope only what a task does not declare; ``lease_authorize``
+runs before any look-up; internal records are out of reach of user keys; a
+key crafted in the shortened shape never meets the key it imitates; a call
+over the limits is refused at publish and in the worker. Each scenario is the
+attack that worked before, sent the way an attacker with publish rights would
+(``send_task`` with headers, as another service or language does).
+
+Real Redis (broker, backend, lease store), PostgreSQL (results) and
+``celery worker`` prefork processes (``tests/sec_cluster.py``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+import celery_lease
+from celery_lease import KeyLimitExceeded, LeaseConfigError, LeaseScopeMismatch
+from celery_lease.keys import scoped, shorten
+from celery_lease.task import DEFER_MARKER
+from tests.sec_cluster import Cluster
+from tests.servers import RedisServer
+
+pytestmark = pytest.mark.timeout(180)
+
+A, B = "acme", "globex"
+
+
+@pytest.fixture(scope="module")
+def cluster(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    celery_lease.migrate(pg_url)
+    base = Path(tmp_path_factory.mktemp("isolation"))
+    server = RedisServer(base, appendonly=False)
+    server.start()
+    c = Cluster(
+        base,
+        broker=server.url(0),
+        backend=server.url(1),
+        store_url=server.url(2),
+        results_url=pg_url,
+        ttl=5.0,
+        settings={"lease_defer_max": 3},
+    )
+    try:
+        c.worker("isolation", concurrency=2).start()
+        yield c
+    finally:
+        c.close()
+        server.cleanup()
+
+
+def _doc() -> str:
+    return f"doc-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_send_task_tenant_header_scopes_the_call(cluster: Cluster) -> None:
+    """Item 1: ``lease_tenant`` alone (no ``lease_keys``) was ignored: tenants shared a result."""
+    c = cluster
+    key = _doc()
+    got = {}
+    for tenant in (A, B):
+        res = c.app.send_task(
+            "leaseapp.work_once_return", (key,), {"tag": tenant}, headers={"lease_tenant": tenant}
+        )
+        got[tenant] = res.get(timeout=40)
+    assert got[A]["tag"] == A and got[B]["tag"] == B, got
+    for tenant in (A, B):
+        accepted = c.table.accepted(scoped(key, tenant), tenant)
+        assert accepted is not None and accepted.tenant == tenant
+        assert accepted.value["tag"] == tenant
+    assert c.table.accepted(key, None) is None, "nothing stored unscoped"
+
+
+def test_a_callers_keys_header_does_not_skip_the_tenant_template(cluster: Cluster) -> None:
+    """Item 1, mirror: ``apply_async(headers={"lease_keys": ...})`` dropped the tenant."""
+    c = cluster
+    doc = _doc()
+    got = {
+        tenant: c.tasks.report_for.apply_async(
+            (doc, tenant), {"tag": tenant}, headers={"lease_keys": [doc]}
+        ).get(timeout=40)
+        for tenant in (A, B)
+    }
+    assert got[A]["tag"] == A and got[B]["tag"] == B, got
+    for tenant in (A, B):
+        accepted = c.table.accepted(scoped(doc, tenant), tenant)
+        assert accepted is not None and accepted.value["tag"] == tenant
+    assert c.table.accepted(doc, None) is None
+
+
+def test_forged_headers_are_refused_before_anything_is_read_or_claimed(cluster: Cluster) -> None:
+    """Item 2: headers naming acme's key and tenant on a globex call read acme's result,
+    and against a new tenant wrote globex's value as that tenant's result."""
+    c = cluster
+    doc = _doc()
+    mine = c.tasks.report_for.apply_async((doc, A), {"tag": "acme-secret"}).get(timeout=40)
+    assert mine["tag"] == "acme-secret"
+
+    read = c.app.send_task(
+        "tenantapp.report_for",
+        (doc, B),
+        {"tag": "globex"},
+        headers={"lease_keys": [doc], "lease_tenant": A},
+    )
+    write_doc = _doc()
+    write = c.app.send_task(
+        "tenantapp.report_for",
+        (write_doc, B),
+        {"tag": "globex-wrote-this"},
+        headers={"lease_keys": [write_doc], "lease_tenant": "initech"},
+    )
+    for res in (read, write):
+        state, exc = c.wait_state(res.id, ("SUCCESS", "FAILURE"))
+        assert state == "FAILURE", (state, exc)
+        assert type(exc).__name__ == "LeaseScopeMismatch" and "refused" in str(exc)
+        assert "acme-secret" not in str(exc)
+        assert c.rows("start", res.id) == []
+    assert c.table.accepted(scoped(write_doc, "initech"), "initech") is None
+    assert c.table.accepted(scoped(write_doc, B), B) is None
+    assert c.store.inspect(scoped(write_doc, "initech")) is None, "nothing claimed"
+    # The publisher's own client refuses the same headers before sending.
+    with pytest.raises(LeaseScopeMismatch):
+        c.tasks.report_for.apply_async((doc, B), headers={"lease_tenant": A})
+    with pytest.raises(LeaseScopeMismatch):
+        c.tasks.report_for.apply_async((doc, B), headers={"lease_keys": ["other"]})
+
+
+def test_lease_authorize_refuses_before_the_duplicate_decision(cluster: Cluster) -> None:
+    """Item 2: without forged headers, ``once`` + ``return`` handed acme's accepted value
+    to any caller that produced acme's key and tenant."""
+    c = cluster
+    doc = _doc()
+    mine = c.tasks.guarded.apply_async((doc, A), {"caller": A, "tag": "acme-secret"})
+    assert mine.get(timeout=40)["tag"] == "acme-secret"
+    theirs = c.tasks.guarded.apply_async((doc, A), {"caller": B, "tag": "globex"})
+    state, exc = c.wait_state(theirs.id, ("SUCCESS", "FAILURE"))
+    assert state == "FAILURE", (state, exc)
+    assert type(exc).__name__ == "LeaseUnauthorized"
+    assert "acme-secret" not in str(exc)
+    accepted = c.table.accepted(scoped(doc, A), A)
+    assert accepted is not None and accepted.task_id == mine.id
+    assert str(accepted.token) not in str(exc)
+    assert c.rows("start", theirs.id) == []
+    (asked,) = c.rows("authorize", theirs.id)
+    assert (asked["tenant"], asked["keys"]) == (A, [doc])
+
+
+def test_a_user_key_cannot_squat_a_deferral_marker(cluster: Cluster) -> None:
+    """Item 3: a task whose key was ``celery-lease/defer/<victim id>`` made the victim's
+    deferral look queued: the copy was dropped, the victim stayed PENDING.
+    Item 5: markers leave no fence entry and expire."""
+    c = cluster
+    victim_id = str(uuid.uuid4())
+    marker = DEFER_MARKER + victim_id
+    squatter = c.app.send_task("leaseapp.work", (marker,), {"sleep": 8.0, "tag": "squat"})
+    busy = _doc()
+    held = c.store.claim(busy, ttl=3.0, owner_id="test-holder")
+    assert held is not None
+    victim = c.tasks.work.apply_async((busy,), {"tag": "victim"}, task_id=victim_id)
+    assert victim.get(timeout=60)["tag"] == "victim"
+    assert "LEASE_DEFERRED" in c.worker_logs(), "the victim deferred behind the held key"
+    state, exc = c.wait_state(squatter.id, ("SUCCESS", "FAILURE"))
+    assert state == "FAILURE" and "reserved" in str(exc), (state, exc)
+    assert c.rows("start", squatter.id) == []
+    with pytest.raises(LeaseConfigError, match="reserved"):
+        c.tasks.work.apply_async((marker,))
+
+    client = redis.Redis.from_url(c.store_url)
+    try:
+        fences = list(client.scan_iter(match="celery-lease:fence:{celery-lease/*"))
+        assert fences == [], f"fence entries for internal markers: {fences}"
+        marks = list(client.scan_iter(match="celery-lease:mark:*"))
+        assert marks, "the deferral was marked"
+        assert all(client.pttl(m) > 0 for m in marks), "every marker expires"
+    finally:
+        client.close()
+
+
+def test_a_key_in_the_shortened_shape_never_meets_the_key_it_imitates(cluster: Cluster) -> None:
+    """Item 4: a short key equal to the shortened form of a long key passed through,
+    so in ``once`` mode the crafted key's result was returned for the long key."""
+    c = cluster
+    long_key = "victim-" + "x" * 300 + uuid.uuid4().hex
+    forged = shorten(long_key)  # the public formula: <head>~<sha256 of the key>
+    assert len(forged) <= 200
+    first = c.tasks.work_once_return.apply_async((forged,), {"tag": "forger"}).get(timeout=40)
+    second = c.tasks.work_once_return.apply_async((long_key,), {"tag": "victim"}).get(timeout=40)
+    assert first["tag"] == "forger" and second["tag"] == "victim", (first, second)
+    assert second["token"] != first["token"]
+
+
+def test_calls_over_the_key_limits_are_refused_at_publish_and_in_the_worker(
+    cluster: Cluster,
+) -> None:
+    """Item 5: one claim of 20,000 keys (from a header) blocked Redis and left the keys."""
+    c = cluster
+    with pytest.raises(KeyLimitExceeded, match="lease_max_keys"):
+        c.tasks.many.apply_async((101,))
+    with pytest.raises(KeyLimitExceeded, match="lease_max_key_length"):
+        c.tasks.work.apply_async(("k" * 20_000,))
+    prefix = f"flood-{uuid.uuid4().hex[:6]}-"
+    flood = c.app.send_task(
+        "tenantapp.plain", ("x",), headers={"lease_keys": [f"{prefix}{i}" for i in range(20_000)]}
+    )
+    state, exc = c.wait_state(flood.id, ("SUCCESS", "FAILURE"))
+    assert state == "FAILURE" and type(exc).__name__ == "KeyLimitExceeded", (state, exc)
+    assert c.store.list(prefix) == [] and c.store.inspect(f"{prefix}0") is None
+    assert c.rows("start", flood.id) == []
+    # Within the limits, a task without templates is scoped by its headers, both read.
+    ok = c.app.send_task(
+        "tenantapp.plain", ("y",), headers={"lease_keys": [f"{prefix}a"], "lease_tenant": A}
+    )
+    assert ok.get(timeout=40)["keys"] == [scoped(f"{prefix}a", A)]
+    assert c.tasks.many.apply_async((100,)).get(timeout=40) == 100
+
+
+def test_a_negative_deferrals_header_does_not_escape_lease_defer_max(cluster: Cluster) -> None:
+    """Item 7: ``lease_deferrals=-1000`` must not buy a thousand extra deferrals."""
+    c = cluster
+    busy = _doc()
+    with c.store.hold(busy, ttl=2.0):  # held (and renewed) throughout: every claim conflicts
+        res = c.app.send_task(
+            "leaseapp.work", (busy,), headers={"lease_keys": [busy], "lease_deferrals": -1000}
+        )
+        state, exc = c.wait_state(res.id, ("SUCCESS", "FAILURE"), timeout=90)
+    assert state == "FAILURE" and type(exc).__name__ == "LeaseNotAcquired", (state, exc)
+    assert c.rows("start", res.id) == []
+    deferred = c.worker_logs().count(f"LEASE_DEFERRED {res.id}")
+    assert deferred == 3, f"{deferred} deferrals, lease_defer_max is 3"
