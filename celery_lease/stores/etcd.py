@@ -385,7 +385,7 @@ class EtcdLeaseStore(RenewAndRelease, LeaseStore):
                 else cmp_op(self.lease_name(key), "CREATE", 0)
             ]
             if token is not None:
-                compare.append(_cmp(self.fence_name(key), "MOD", token))
+                compare.append(cmp_op(self.fence_name(key), "MOD", token))
             success: builtins.list[dict[str, Any]] = [
                 {"request_put": {"key": b64(self.fence_name(key))}}
             ]
