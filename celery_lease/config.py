@@ -11,16 +11,18 @@ from __future__ import annotations
 import difflib
 import logging
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from celery_lease.exceptions import LeaseConfigError
+from celery_lease.stores.registry import is_sql_url, known_schemes, store_class
+from celery_lease.urls import redact_url, scheme_of
 
 if TYPE_CHECKING:
     from celery import Celery
+
+    from celery_lease.stores.base import LeaseStore
 
 __all__ = [
     "CONFLICT_POLICIES",
@@ -126,8 +128,8 @@ class Config:
         store_url = _url("lease_store_url", get("lease_store_url") or DEFAULT_SQLITE_URL)
         result_url = get("lease_result_url")
         if result_url is None:
-            result_url = store_url if _is_sql(store_url) else DEFAULT_SQLITE_URL
-            if not _is_sql(store_url):
+            result_url = store_url if is_sql_url(store_url) else DEFAULT_SQLITE_URL
+            if not is_sql_url(store_url):
                 logger.warning(
                     "lease_result_url is not set: accepted results go to the embedded SQLite "
                     "file %s, which workers on other machines cannot see; set "
@@ -135,7 +137,7 @@ class Config:
                     DEFAULT_SQLITE_URL,
                 )
         result_url = _url("lease_result_url", result_url)
-        if not _is_sql(result_url):
+        if not is_sql_url(result_url):
             raise LeaseConfigError(
                 f"lease_result_url must be a SQL database (postgresql+psycopg://... or "
                 f"sqlite:///...), got {result_url!r}"
@@ -177,7 +179,7 @@ class Config:
                 f"lease_key_prefix must not contain '{{' or '}}' (Redis Cluster hash tags), "
                 f"got {key_prefix!r}"
             )
-        _check_store_options(store_url, options, key_prefix)
+        _store_class(store_url).check_options(store_url, dict(options), key_prefix)
         transport = conf.get("broker_transport_options") or {}
         vt = transport.get("visibility_timeout")
         broker = str(conf.get("broker_url") or "")
@@ -295,107 +297,22 @@ def _url(name: str, value: Any) -> str:
             f"{name} must be a URL such as redis://host:6379/1, "
             f"postgresql+psycopg://host/db or sqlite:///path; got {value!r}"
         )
-    from celery_lease.stores.base import redact_url
-
-    scheme = value.split("://", 1)[0].lower()
-    known = ("redis", "rediss", "unix", "sqlite", "postgresql", "postgres", "postgresql+psycopg")
-    if scheme not in known:
-        from importlib.metadata import entry_points
-
-        if scheme not in {ep.name for ep in entry_points(group="celery_lease.stores")}:
-            raise LeaseConfigError(
-                f"{name}: unknown URL scheme {scheme!r} in {redact_url(value)!r}; "
-                f"known: {', '.join(known)}"
-            )
-        return value
-    _parse_url(name, value, scheme)
+    scheme = scheme_of(value)
+    store_cls = store_class(scheme)
+    if store_cls is None:
+        raise LeaseConfigError(
+            f"{name}: unknown URL scheme {scheme!r} in {redact_url(value)!r}; "
+            f"known: {', '.join(known_schemes())}"
+        )
+    # Parsed as its client will, so a malformed URL fails at start, naming ``name``.
+    store_cls.check_url(name, value)
     return value
 
 
-def _parse_url(name: str, value: str, scheme: str) -> None:
-    """Parse ``value`` as its client will, so a malformed URL fails at start, naming ``name``."""
-    from celery_lease.stores.base import redact_url
-
-    shown = redact_url(value)
-    if scheme in ("redis", "rediss", "unix"):
-        from redis.connection import parse_url
-
-        try:
-            parsed = parse_url(value)  # type: ignore[no-untyped-call]
-        except ValueError as e:
-            raise LeaseConfigError(f"{name}: cannot parse {shown}: {e}") from e
-        if scheme == "unix":
-            if not parsed.get("path"):
-                raise LeaseConfigError(f"{name}: {shown} names no socket path (unix:///path)")
-            return
-        path = urlsplit(value).path.strip("/")
-        if path and not path.isdigit():
-            raise LeaseConfigError(
-                f"{name}: the path of {shown} must be a Redis database number "
-                f"(redis://host:6379/1), got {path!r}"
-            )
-        return
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    try:
-        url = make_url(value)
-        port = url.port
-    except (ArgumentError, ValueError) as e:
-        raise LeaseConfigError(f"{name}: cannot parse {shown}: {e}") from e
-    if port is not None and not 0 < port < 65536:
-        raise LeaseConfigError(f"{name}: port {port} of {shown} is not a TCP port (1-65535)")
-    if scheme.startswith("sqlite") and (url.database or "") in ("", ":memory:"):
-        raise LeaseConfigError(
-            f"{name}: {shown} names no file; an SQLite store needs a file shared by all "
-            "processes: sqlite:///path"
-        )
-    if scheme.startswith("postgres") and not url.database:
-        raise LeaseConfigError(
-            f"{name}: {shown} names no database (postgresql+psycopg://host/dbname)"
-        )
-
-
-def _check_store_options(store_url: str, options: dict[str, Any], key_prefix: str) -> None:
-    """``lease_store_options`` are the Redis client's keyword arguments; check them now.
-
-    An etcd store is built (no I/O) even without options, so a malformed
-    ``etcd://`` URL or a missing certificate file fails at worker start.
-    """
-    if store_url.split("://", 1)[0].lower() in ("etcd", "etcds"):
-        from celery_lease.stores.base import LeaseStore
-
-        if "key_prefix" in options:
-            raise LeaseConfigError("set lease_key_prefix, not lease_store_options['key_prefix']")
-        LeaseStore.from_url(store_url, key_prefix=key_prefix, **options).close()
-        return
-    if not options:
-        return
-    bad = [k for k in options if not isinstance(k, str)]
-    if bad:
-        raise LeaseConfigError(f"lease_store_options keys must be strings, got {bad!r}")
-    scheme = store_url.split("://", 1)[0].lower()
-    if scheme not in ("redis", "rediss", "unix"):
-        if _is_sql(store_url):
-            raise LeaseConfigError(
-                "lease_store_options applies to Redis lease stores only; for PostgreSQL put "
-                "connection options in lease_store_url's query (?sslmode=verify-full&"
-                f"sslrootcert=/path/ca.crt), got {sorted(options)}"
-            )
-        return  # a third-party store: its own options
-    if "key_prefix" in options:
-        raise LeaseConfigError("set lease_key_prefix, not lease_store_options['key_prefix']")
-    for option in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path"):
-        path = options.get(option)
-        if path is not None and not (isinstance(path, str) and os.path.exists(path)):
-            raise LeaseConfigError(f"lease_store_options[{option!r}]: no such file {path!r}")
-    from celery_lease.stores.base import LeaseStore
-
-    LeaseStore.from_url(store_url, key_prefix=key_prefix, **options).close()
-
-
-def _is_sql(url: str) -> bool:
-    return url.split("://", 1)[0].lower().startswith(("sqlite", "postgres"))
+def _store_class(url: str) -> type[LeaseStore]:
+    store_cls = store_class(scheme_of(url))
+    assert store_cls is not None, url  # _url accepted it
+    return store_cls
 
 
 def _warn_unknown(conf: Any) -> None:

@@ -89,10 +89,7 @@ class Runtime:
     """This process's stores for one app (new after fork)."""
 
     def __init__(self, cfg: Config) -> None:
-        options = dict(cfg.store_options)
-        if cfg.store_url.split("://", 1)[0] in ("redis", "rediss", "unix", "etcd", "etcds"):
-            options.setdefault("key_prefix", cfg.key_prefix)
-        self.store: LeaseStore = LeaseStore.from_url(cfg.store_url, **options)
+        self.store: LeaseStore = LeaseStore.from_settings(cfg)
         self.results = ResultTable(cfg.result_url, self.store, max_bytes=cfg.result_max_bytes)
         #: Renew a lease until its commit has answered (not only until the body
         #: ended): a commit that waits for the result database's lock longer
