@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from celery_lease.appstate import app_state
 from celery_lease.exceptions import LeaseConfigError
 from celery_lease.stores.registry import is_sql_url, known_schemes, store_class
 from celery_lease.urls import redact_url, scheme_of
@@ -404,11 +405,11 @@ class Config:
 
 
 def config(app: Celery) -> Config:
-    """The app's :class:`Config`, built and validated once, then cached on the app."""
-    cfg: Config | None = getattr(app, "_celery_lease_config", None)
+    """The app's :class:`Config`, built and validated once, then kept with the app."""
+    state = app_state(app)
+    cfg = state.config
     if cfg is None:
-        cfg = Config.from_app(app)
-        app._celery_lease_config = cfg
+        cfg = state.config = Config.from_app(app)
     return cfg
 
 

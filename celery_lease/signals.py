@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from celery import bootsteps
 from celery.signals import task_revoked, worker_process_init, worker_process_shutdown
 
+from celery_lease.appstate import app_state
 from celery_lease.exceptions import StoreUnavailable
 
 if TYPE_CHECKING:
@@ -102,9 +103,10 @@ def check_tasks(app: Any, cfg: Config) -> None:
 
 def install(app: Any) -> None:
     """Add the bootstep and connect the handlers (idempotent)."""
-    if getattr(app, "_celery_lease_installed", False):
+    state = app_state(app)
+    if state.installed:
         return
-    app._celery_lease_installed = True
+    state.installed = True
     app.steps["worker"].add(LeaseBootstep)
     worker_process_init.connect(_process_init, weak=False, dispatch_uid="celery_lease.init")
     worker_process_shutdown.connect(

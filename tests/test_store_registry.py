@@ -2,7 +2,8 @@
 
 Every consumer asks it: ``LeaseStore.from_url``, the settings' URL checks, the
 runtime's store options and the CLI. So every error listing the known schemes
-lists all of them, and every scheme the settings accept builds a store.
+lists all of them, every scheme the settings accept builds a store, and the
+per-app state lives beside the app, not on it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from celery import Celery
 
 import celery_lease
 from celery_lease import LeaseConfigError
-from celery_lease.config import Config
+from celery_lease.config import Config, config
+from celery_lease.events import broker_errors
+from celery_lease.signals import install
 from celery_lease.stores import registry
 from celery_lease.stores.base import LeaseStore
 from celery_lease.stores.sql import SQLLeaseStore
@@ -82,3 +85,15 @@ def test_key_prefix_goes_only_to_stores_that_take_it() -> None:
     assert redis_cls.options_from_settings({}, "p") == {"key_prefix": "p"}
     assert etcd_cls.options_from_settings({"timeout": 2}, "p") == {"timeout": 2, "key_prefix": "p"}
     assert SQLLeaseStore.options_from_settings({}, "p") == {}
+
+
+def test_per_app_state_is_not_stored_on_the_app(sqlite_url: str) -> None:
+    app = _app(lease_store_url=sqlite_url)
+    before = set(vars(app))
+    assert config(app) is config(app)
+    install(app)
+    install(app)  # idempotent: the bootstep is added once
+    assert broker_errors(app) is broker_errors(app)
+    added = {name for name in set(vars(app)) - before if "lease" in name}
+    assert not added, f"celery-lease state set on the app: {sorted(added)}"
+    assert len([s for s in app.steps["worker"] if s.__name__ == "LeaseBootstep"]) == 1
