@@ -22,6 +22,8 @@ from celery_lease.exceptions import LeaseError
 from celery_lease.keys import scoped
 from celery_lease.results import AcceptedResult, ResultTable
 from celery_lease.stores.base import LeaseRecord, LeaseStore
+from celery_lease.stores.registry import is_sql_url
+from celery_lease.urls import redact_url
 
 __all__ = ["lease"]
 
@@ -223,12 +225,10 @@ def migrate(ctx: click.Context) -> None:
 
     cfg = config(ctx.obj.app)
     urls = [cfg.result_url]
-    if cfg.store_url != cfg.result_url and cfg.store_url.startswith(("sqlite", "postgres")):
+    if cfg.store_url != cfg.result_url and is_sql_url(cfg.store_url):
         urls.append(cfg.store_url)
     for url in urls:
         run_migrations(url)
-        from celery_lease.stores.base import redact_url
-
         click.echo(f"migrated {redact_url(url)}")
 
 

@@ -11,17 +11,21 @@ from __future__ import annotations
 import difflib
 import logging
 import math
-import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
+from celery_lease.appstate import app_state
 from celery_lease.exceptions import LeaseConfigError
 from celery_lease.keys import KeyLimits
+from celery_lease.stores.registry import is_sql_url, known_schemes, store_class
+from celery_lease.urls import redact_url, scheme_of
 
 if TYPE_CHECKING:
     from celery import Celery
+
+    from celery_lease.stores.base import LeaseStore
 
 __all__ = [
     "CONFLICT_POLICIES",
@@ -29,7 +33,9 @@ __all__ = [
     "DEFAULT_SQLITE_URL",
     "DUPLICATE_POLICIES",
     "MODES",
+    "SETTINGS",
     "Config",
+    "Setting",
     "config",
 ]
 
@@ -41,214 +47,6 @@ DEFAULT_SQLITE_URL = "sqlite:///celery-lease.sqlite3"
 MODES = ("exclusive", "once")
 CONFLICT_POLICIES = ("defer", "reject", "wait")
 DUPLICATE_POLICIES = ("reject", "return")
-
-#: Every setting, its default, and what it means (the README's table is made from this).
-SETTINGS: dict[str, tuple[Any, str]] = {
-    "lease_store_url": (
-        None,
-        "where leases live: redis://, rediss://, postgresql+psycopg://, "
-        "sqlite:///, etcd://host:port[,host:port...] or etcds:// (default: the "
-        "embedded SQLite file)",
-    ),
-    "lease_result_url": (
-        None,
-        "the fenced result table's database: postgresql+psycopg:// or "
-        "sqlite:/// (default: the lease store's database if it is SQL, "
-        "else the embedded SQLite file)",
-    ),
-    "lease_ttl": (30.0, "lease length in seconds (at most one year)"),
-    "lease_renew_interval": (
-        None,
-        "seconds between renewals (default: TTL / 3; at most TTL / 2, and interval + "
-        "min(interval / 3, 1) < TTL - clock drift)",
-    ),
-    "lease_mode": ("exclusive", "exclusive | once"),
-    "lease_on_conflict": ("defer", "defer | reject | wait"),
-    "lease_on_duplicate": ("reject", "once mode: reject | return"),
-    "lease_key_prefix": ("celery-lease", "namespace for the store's key names"),
-    "lease_send_events": (True, "send LEASE_* / FENCED task events (Flower states)"),
-    "lease_clock_drift": (
-        None,
-        "seconds taken off the local view of a lease (default: 2 % of TTL + 50 ms, at most 1 s)",
-    ),
-    "lease_result_expires": (
-        None,
-        "seconds to keep accepted results before `lease sweep` deletes them (default: keep)",
-    ),
-    "lease_result_max_bytes": (1024 * 1024, "largest JSON result accepted, in bytes"),
-    "lease_defer_max": (100, "deferrals behind other tasks' leases before a task is rejected"),
-    "lease_wait_timeout": (30.0, "wait policy: seconds to poll before deferring"),
-    "lease_store_retry": (
-        5.0,
-        "seconds to retry a claim while the store is unreachable before deferring",
-    ),
-    "lease_max_keys": (
-        100,
-        "most lease keys one call may name (checked at publish and in the worker)",
-    ),
-    "lease_max_key_length": (
-        16384,
-        "longest lease key or tenant, in characters, before shortening (checked at publish "
-        "and in the worker)",
-    ),
-    "lease_metrics_port": (None, "serve Prometheus metrics from the worker on this port"),
-    "lease_store_options": (
-        None,
-        "extra keyword arguments for the store's client (e.g. TLS options for rediss:// "
-        "or etcds://)",
-    ),
-}
-DEFAULTS = {name: default for name, (default, _) in SETTINGS.items()}
-
-
-@dataclass(frozen=True)
-class Config:
-    """Validated ``lease_*`` settings of one app."""
-
-    store_url: str
-    result_url: str
-    ttl: float
-    renew_interval: float | None
-    mode: str
-    on_conflict: str
-    on_duplicate: str
-    key_prefix: str
-    send_events: bool
-    clock_drift: float | None
-    result_expires: float | None
-    result_max_bytes: int
-    defer_max: int
-    wait_timeout: float
-    store_retry: float
-    metrics_port: int | None
-    store_options: dict[str, Any]
-    visibility_timeout: float | None
-    max_keys: int = 100
-    max_key_length: int = 16384
-
-    @property
-    def limits(self) -> KeyLimits:
-        return KeyLimits(self.max_keys, self.max_key_length)
-
-    @classmethod
-    def from_app(cls, app: Celery) -> Config:
-        conf = app.conf
-        _warn_unknown(conf)
-
-        def get(name: str) -> Any:
-            value = conf.get(name)
-            return DEFAULTS[name] if value is None else value
-
-        store_url = _url("lease_store_url", get("lease_store_url") or DEFAULT_SQLITE_URL)
-        result_url = get("lease_result_url")
-        if result_url is None:
-            result_url = store_url if _is_sql(store_url) else DEFAULT_SQLITE_URL
-            if not _is_sql(store_url):
-                logger.warning(
-                    "lease_result_url is not set: accepted results go to the embedded SQLite "
-                    "file %s, which workers on other machines cannot see; set "
-                    "lease_result_url to a PostgreSQL database shared by all workers",
-                    DEFAULT_SQLITE_URL,
-                )
-        result_url = _url("lease_result_url", result_url)
-        if not _is_sql(result_url):
-            raise LeaseConfigError(
-                f"lease_result_url must be a SQL database (postgresql+psycopg://... or "
-                f"sqlite:///...), got {result_url!r}"
-            )
-        ttl = _number("lease_ttl", get("lease_ttl"), positive=True)
-        check_max_ttl(ttl, "lease_ttl")
-        renew = conf.get("lease_renew_interval")
-        if renew is not None:
-            renew = _number("lease_renew_interval", renew, positive=True)
-            check_renew_interval(renew, ttl, "lease_renew_interval")
-        drift = conf.get("lease_clock_drift")
-        if drift is not None:
-            drift = _number("lease_clock_drift", drift)
-            if not 0 <= drift < ttl:
-                raise LeaseConfigError(
-                    f"lease_clock_drift must be >= 0 and below lease_ttl ({ttl}), got {drift!r}"
-                )
-        check_renew_interval(renew, ttl, "lease_renew_interval", drift)
-        expires = conf.get("lease_result_expires")
-        if expires is not None:
-            if hasattr(expires, "total_seconds"):
-                expires = expires.total_seconds()
-            expires = _number("lease_result_expires", expires, positive=True)
-        port = conf.get("lease_metrics_port")
-        if port is not None and (
-            isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
-        ):
-            raise LeaseConfigError(f"lease_metrics_port must be a TCP port number, got {port!r}")
-        options = conf.get("lease_store_options") or {}
-        if not isinstance(options, dict):
-            raise LeaseConfigError(
-                f"lease_store_options must be a dict of client options, got {options!r}"
-            )
-        key_prefix = _string("lease_key_prefix", get("lease_key_prefix"))
-        if "{" in key_prefix or "}" in key_prefix:
-            # Braces would move the Redis Cluster hash tag off the lease key, so a
-            # key's lease and fence counter could land in different slots.
-            raise LeaseConfigError(
-                f"lease_key_prefix must not contain '{{' or '}}' (Redis Cluster hash tags), "
-                f"got {key_prefix!r}"
-            )
-        _check_store_options(store_url, options, key_prefix)
-        transport = conf.get("broker_transport_options") or {}
-        vt = transport.get("visibility_timeout")
-        broker = str(conf.get("broker_url") or "")
-        if vt is None and broker.startswith(("redis", "rediss", "sentinel")):
-            vt = 3600.0
-        return cls(
-            store_url=store_url,
-            result_url=result_url,
-            ttl=ttl,
-            renew_interval=renew,
-            mode=choice("lease_mode", get("lease_mode"), MODES),
-            on_conflict=choice("lease_on_conflict", get("lease_on_conflict"), CONFLICT_POLICIES),
-            on_duplicate=choice(
-                "lease_on_duplicate", get("lease_on_duplicate"), DUPLICATE_POLICIES
-            ),
-            key_prefix=key_prefix,
-            send_events=_bool("lease_send_events", get("lease_send_events")),
-            clock_drift=drift,
-            result_expires=expires,
-            result_max_bytes=_count("lease_result_max_bytes", get("lease_result_max_bytes")),
-            defer_max=_count("lease_defer_max", get("lease_defer_max")),
-            wait_timeout=_number("lease_wait_timeout", get("lease_wait_timeout"), positive=True),
-            store_retry=_number("lease_store_retry", get("lease_store_retry")),
-            metrics_port=port,
-            store_options=dict(options),
-            visibility_timeout=float(vt) if vt is not None else None,
-            max_keys=_count("lease_max_keys", get("lease_max_keys")),
-            max_key_length=_count("lease_max_key_length", get("lease_max_key_length")),
-        )
-
-
-def config(app: Celery) -> Config:
-    """The app's :class:`Config`, built and validated once, then cached on the app."""
-    cfg: Config | None = getattr(app, "_celery_lease_config", None)
-    if cfg is None:
-        cfg = Config.from_app(app)
-        app._celery_lease_config = cfg
-    return cfg
-
-
-def limits(app: Celery) -> KeyLimits:
-    """The app's key limits, without building its whole :class:`Config` (for publishers)."""
-    cfg: Config | None = getattr(app, "_celery_lease_config", None)
-    if cfg is not None:
-        return cfg.limits
-    conf = app.conf
-
-    def get(name: str) -> Any:
-        value = conf.get(name)
-        return DEFAULTS[name] if value is None else value
-
-    return KeyLimits(
-        _count("lease_max_keys", get("lease_max_keys")),
-        _count("lease_max_key_length", get("lease_max_key_length")),
-    )
 
 
 def check_renew_interval(
@@ -330,107 +128,336 @@ def _url(name: str, value: Any) -> str:
             f"{name} must be a URL such as redis://host:6379/1, "
             f"postgresql+psycopg://host/db or sqlite:///path; got {value!r}"
         )
-    from celery_lease.stores.base import redact_url
-
-    scheme = value.split("://", 1)[0].lower()
-    known = ("redis", "rediss", "unix", "sqlite", "postgresql", "postgres", "postgresql+psycopg")
-    if scheme not in known:
-        from importlib.metadata import entry_points
-
-        if scheme not in {ep.name for ep in entry_points(group="celery_lease.stores")}:
-            raise LeaseConfigError(
-                f"{name}: unknown URL scheme {scheme!r} in {redact_url(value)!r}; "
-                f"known: {', '.join(known)}"
-            )
-        return value
-    _parse_url(name, value, scheme)
+    scheme = scheme_of(value)
+    store_cls = store_class(scheme)
+    if store_cls is None:
+        raise LeaseConfigError(
+            f"{name}: unknown URL scheme {scheme!r} in {redact_url(value)!r}; "
+            f"known: {', '.join(known_schemes())}"
+        )
+    # Parsed as its client will, so a malformed URL fails at start, naming ``name``.
+    store_cls.check_url(name, value)
     return value
 
 
-def _parse_url(name: str, value: str, scheme: str) -> None:
-    """Parse ``value`` as its client will, so a malformed URL fails at start, naming ``name``."""
-    from celery_lease.stores.base import redact_url
+def _store_class(url: str) -> type[LeaseStore]:
+    store_cls = store_class(scheme_of(url))
+    assert store_cls is not None, url  # _url accepted it
+    return store_cls
 
-    shown = redact_url(value)
-    if scheme in ("redis", "rediss", "unix"):
-        from redis.connection import parse_url
 
-        try:
-            parsed = parse_url(value)  # type: ignore[no-untyped-call]
-        except ValueError as e:
-            raise LeaseConfigError(f"{name}: cannot parse {shown}: {e}") from e
-        if scheme == "unix":
-            if not parsed.get("path"):
-                raise LeaseConfigError(f"{name}: {shown} names no socket path (unix:///path)")
-            return
-        path = urlsplit(value).path.strip("/")
-        if path and not path.isdigit():
-            raise LeaseConfigError(
-                f"{name}: the path of {shown} must be a Redis database number "
-                f"(redis://host:6379/1), got {path!r}"
-            )
-        return
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
+def _optional(parse: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    def parse_unless_none(name: str, value: Any) -> Any:
+        return None if value is None else parse(name, value)
 
-    try:
-        url = make_url(value)
-        port = url.port
-    except (ArgumentError, ValueError) as e:
-        raise LeaseConfigError(f"{name}: cannot parse {shown}: {e}") from e
-    if port is not None and not 0 < port < 65536:
-        raise LeaseConfigError(f"{name}: port {port} of {shown} is not a TCP port (1-65535)")
-    if scheme.startswith("sqlite") and (url.database or "") in ("", ":memory:"):
+    return parse_unless_none
+
+
+def _store_url(name: str, value: Any) -> str:
+    return _url(name, value or DEFAULT_SQLITE_URL)
+
+
+def _ttl(name: str, value: Any) -> float:
+    ttl = _number(name, value, positive=True)
+    check_max_ttl(ttl, name)
+    return ttl
+
+
+def _positive(name: str, value: Any) -> float:
+    return _number(name, value, positive=True)
+
+
+def _seconds_or_timedelta(name: str, value: Any) -> float:
+    if hasattr(value, "total_seconds"):
+        value = value.total_seconds()
+    return _number(name, value, positive=True)
+
+
+def _port(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise LeaseConfigError(f"{name} must be a TCP port number, got {value!r}")
+    return value
+
+
+def _key_prefix(name: str, value: Any) -> str:
+    prefix = _string(name, value)
+    if "{" in prefix or "}" in prefix:
+        # Braces would move the Redis Cluster hash tag off the lease key, so a
+        # key's lease and fence counter could land in different slots.
         raise LeaseConfigError(
-            f"{name}: {shown} names no file; an SQLite store needs a file shared by all "
-            "processes: sqlite:///path"
+            f"{name} must not contain '{{' or '}}' (Redis Cluster hash tags), got {prefix!r}"
         )
-    if scheme.startswith("postgres") and not url.database:
-        raise LeaseConfigError(
-            f"{name}: {shown} names no database (postgresql+psycopg://host/dbname)"
-        )
+    return prefix
 
 
-def _check_store_options(store_url: str, options: dict[str, Any], key_prefix: str) -> None:
-    """``lease_store_options`` are the Redis client's keyword arguments; check them now.
+def _options(name: str, value: Any) -> dict[str, Any]:
+    options = value or {}
+    if not isinstance(options, dict):
+        raise LeaseConfigError(f"{name} must be a dict of client options, got {options!r}")
+    return dict(options)
 
-    An etcd store is built (no I/O) even without options, so a malformed
-    ``etcd://`` URL or a missing certificate file fails at worker start.
+
+def _one_of(allowed: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def parse_choice(name: str, value: Any) -> str:
+        return choice(name, value, allowed)
+
+    return parse_choice
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``lease_*`` setting: its name, default, reader and meaning.
+
+    ``parse(name, value)`` gets the app's value, or ``default`` when the app
+    sets none, and returns the :class:`Config` field or raises
+    :class:`LeaseConfigError`; checks across settings are in
+    :meth:`Config.from_app`. ``shown`` is the README's default column when
+    ``default`` (None) stands for a value worked out from other settings.
     """
-    if store_url.split("://", 1)[0].lower() in ("etcd", "etcds"):
-        from celery_lease.stores.base import LeaseStore
 
-        if "key_prefix" in options:
-            raise LeaseConfigError("set lease_key_prefix, not lease_store_options['key_prefix']")
-        LeaseStore.from_url(store_url, key_prefix=key_prefix, **options).close()
-        return
-    if not options:
-        return
-    bad = [k for k in options if not isinstance(k, str)]
-    if bad:
-        raise LeaseConfigError(f"lease_store_options keys must be strings, got {bad!r}")
-    scheme = store_url.split("://", 1)[0].lower()
-    if scheme not in ("redis", "rediss", "unix"):
-        if _is_sql(store_url):
-            raise LeaseConfigError(
-                "lease_store_options applies to Redis lease stores only; for PostgreSQL put "
-                "connection options in lease_store_url's query (?sslmode=verify-full&"
-                f"sslrootcert=/path/ca.crt), got {sorted(options)}"
+    name: str
+    default: Any
+    parse: Callable[[str, Any], Any]
+    doc: str
+    shown: str = ""
+
+    @property
+    def field(self) -> str:
+        """The :class:`Config` attribute it fills."""
+        return self.name.removeprefix("lease_")
+
+    @property
+    def readme_default(self) -> str:
+        """The default as README's settings table writes it."""
+        if self.shown:
+            return self.shown
+        if isinstance(self.default, str):
+            return f'`"{self.default}"`'
+        if isinstance(self.default, float) and self.default.is_integer():
+            return f"`{int(self.default)}`"
+        return f"`{self.default!r}`"
+
+
+#: Every setting, once: the README's settings table is checked against these
+#: (tests/test_readme.py), and :meth:`Config.from_app` reads them in this order.
+SETTINGS: dict[str, Setting] = {
+    s.name: s
+    for s in (
+        Setting(
+            "lease_store_url",
+            None,
+            _store_url,
+            "where leases live: redis://, rediss://, postgresql+psycopg://, "
+            "sqlite:///, etcd://host:port[,host:port...] or etcds:// (default: the "
+            "embedded SQLite file)",
+            shown=f"`{DEFAULT_SQLITE_URL}`",
+        ),
+        Setting(
+            "lease_result_url",
+            None,
+            _optional(_url),
+            "the fenced result table's database: postgresql+psycopg:// or "
+            "sqlite:/// (default: the lease store's database if it is SQL, "
+            "else the embedded SQLite file)",
+            shown="the store's database if SQL, else the SQLite file",
+        ),
+        Setting("lease_ttl", 30.0, _ttl, "lease length in seconds (at most one year)"),
+        Setting(
+            "lease_renew_interval",
+            None,
+            _optional(_positive),
+            "seconds between renewals (default: TTL / 3; at most TTL / 2, and interval + "
+            "min(interval / 3, 1) < TTL - clock drift)",
+            shown="TTL / 3",
+        ),
+        Setting("lease_mode", "exclusive", _one_of(MODES), "exclusive | once"),
+        Setting("lease_on_conflict", "defer", _one_of(CONFLICT_POLICIES), "defer | reject | wait"),
+        Setting(
+            "lease_on_duplicate",
+            "reject",
+            _one_of(DUPLICATE_POLICIES),
+            "once mode: reject | return",
+        ),
+        Setting(
+            "lease_key_prefix", "celery-lease", _key_prefix, "namespace for the store's key names"
+        ),
+        Setting(
+            "lease_send_events", True, _bool, "send LEASE_* / FENCED task events (Flower states)"
+        ),
+        Setting(
+            "lease_clock_drift",
+            None,
+            _optional(_number),
+            "seconds taken off the local view of a lease (default: 2 % of TTL + 50 ms, "
+            "at most 1 s)",
+            shown="2 % of TTL + 50 ms, at most 1 s",
+        ),
+        Setting(
+            "lease_result_expires",
+            None,
+            _optional(_seconds_or_timedelta),
+            "seconds to keep accepted results before `lease sweep` deletes them (default: keep)",
+            shown="keep",
+        ),
+        Setting(
+            "lease_result_max_bytes",
+            1024 * 1024,
+            _count,
+            "largest JSON result accepted, in bytes",
+        ),
+        Setting(
+            "lease_defer_max",
+            100,
+            _count,
+            "deferrals behind other tasks' leases before a task is rejected",
+        ),
+        Setting(
+            "lease_wait_timeout", 30.0, _positive, "wait policy: seconds to poll before deferring"
+        ),
+        Setting(
+            "lease_store_retry",
+            5.0,
+            _number,
+            "seconds to retry a claim while the store is unreachable before deferring",
+        ),
+        Setting(
+            "lease_max_keys",
+            100,
+            _count,
+            "most lease keys one call may name (checked at publish and in the worker)",
+        ),
+        Setting(
+            "lease_max_key_length",
+            16384,
+            _count,
+            "longest lease key or tenant, in characters, before shortening (checked at "
+            "publish and in the worker)",
+        ),
+        Setting(
+            "lease_metrics_port",
+            None,
+            _optional(_port),
+            "serve Prometheus metrics from the worker on this port",
+            shown="off",
+        ),
+        Setting(
+            "lease_store_options",
+            None,
+            _options,
+            "extra keyword arguments for the store's client (e.g. TLS options for rediss:// "
+            "or etcds://)",
+            shown="none",
+        ),
+    )
+}
+DEFAULTS = {name: setting.default for name, setting in SETTINGS.items()}
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated ``lease_*`` settings of one app."""
+
+    store_url: str
+    result_url: str
+    ttl: float
+    renew_interval: float | None
+    mode: str
+    on_conflict: str
+    on_duplicate: str
+    key_prefix: str
+    send_events: bool
+    clock_drift: float | None
+    result_expires: float | None
+    result_max_bytes: int
+    defer_max: int
+    wait_timeout: float
+    store_retry: float
+    metrics_port: int | None
+    store_options: dict[str, Any]
+    visibility_timeout: float | None
+    max_keys: int = 100
+    max_key_length: int = 16384
+
+    @property
+    def limits(self) -> KeyLimits:
+        return KeyLimits(self.max_keys, self.max_key_length)
+
+    @classmethod
+    def from_app(cls, app: Celery) -> Config:
+        conf = app.conf
+        _warn_unknown(conf)
+        values: dict[str, Any] = {}
+        for setting in SETTINGS.values():
+            value = conf.get(setting.name)
+            values[setting.field] = setting.parse(
+                setting.name, setting.default if value is None else value
             )
-        return  # a third-party store: its own options
-    if "key_prefix" in options:
-        raise LeaseConfigError("set lease_key_prefix, not lease_store_options['key_prefix']")
-    for option in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path"):
-        path = options.get(option)
-        if path is not None and not (isinstance(path, str) and os.path.exists(path)):
-            raise LeaseConfigError(f"lease_store_options[{option!r}]: no such file {path!r}")
-    from celery_lease.stores.base import LeaseStore
+        store_url = values["store_url"]
+        if values["result_url"] is None:
+            values["result_url"] = _url(
+                "lease_result_url", store_url if is_sql_url(store_url) else DEFAULT_SQLITE_URL
+            )
+            if not is_sql_url(store_url):
+                logger.warning(
+                    "lease_result_url is not set: accepted results go to the embedded SQLite "
+                    "file %s, which workers on other machines cannot see; set "
+                    "lease_result_url to a PostgreSQL database shared by all workers",
+                    DEFAULT_SQLITE_URL,
+                )
+        if not is_sql_url(values["result_url"]):
+            raise LeaseConfigError(
+                f"lease_result_url must be a SQL database (postgresql+psycopg://... or "
+                f"sqlite:///...), got {values['result_url']!r}"
+            )
+        ttl, renew, drift = values["ttl"], values["renew_interval"], values["clock_drift"]
+        if renew is not None:
+            check_renew_interval(renew, ttl, "lease_renew_interval")
+        if drift is not None and not 0 <= drift < ttl:
+            raise LeaseConfigError(
+                f"lease_clock_drift must be >= 0 and below lease_ttl ({ttl}), got {drift!r}"
+            )
+        check_renew_interval(renew, ttl, "lease_renew_interval", drift)
+        _store_class(store_url).check_options(
+            store_url, values["store_options"], values["key_prefix"]
+        )
+        values["visibility_timeout"] = _visibility_timeout(conf)
+        return cls(**values)
 
-    LeaseStore.from_url(store_url, key_prefix=key_prefix, **options).close()
+
+def config(app: Celery) -> Config:
+    """The app's :class:`Config`, built and validated once, then kept with the app."""
+    state = app_state(app)
+    cfg = state.config
+    if cfg is None:
+        cfg = state.config = Config.from_app(app)
+    return cfg
 
 
-def _is_sql(url: str) -> bool:
-    return url.split("://", 1)[0].lower().startswith(("sqlite", "postgres"))
+def limits(app: Celery) -> KeyLimits:
+    """The app's key limits, without building its whole :class:`Config` (for publishers)."""
+    cfg = app_state(app).config
+    if cfg is not None:
+        return cfg.limits
+    conf = app.conf
+
+    def get(name: str) -> Any:
+        value = conf.get(name)
+        return DEFAULTS[name] if value is None else value
+
+    return KeyLimits(
+        _count("lease_max_keys", get("lease_max_keys")),
+        _count("lease_max_key_length", get("lease_max_key_length")),
+    )
+
+
+def _visibility_timeout(conf: Any) -> float | None:
+    """The broker's visibility timeout: set, or the Redis transport's default of an hour."""
+    transport = conf.get("broker_transport_options") or {}
+    vt = transport.get("visibility_timeout")
+    broker = str(conf.get("broker_url") or "")
+    if vt is None and broker.startswith(("redis", "rediss", "sentinel")):
+        vt = 3600.0
+    return float(vt) if vt is not None else None
 
 
 def _warn_unknown(conf: Any) -> None:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from kombu.exceptions import KombuError
 
+from celery_lease.appstate import app_state
+
 if TYPE_CHECKING:
     from celery import Celery
 
@@ -103,14 +105,13 @@ def send_later(
 
 def broker_errors(app: Celery) -> tuple[type[BaseException], ...]:
     """Errors of a broker hiccup: kombu's, the OS's and the transport's own."""
-    errors: tuple[type[BaseException], ...] | None = getattr(
-        app, "_celery_lease_broker_errors", None
-    )
+    state = app_state(app)
+    errors = state.broker_errors
     if errors is None:
         conn = app.connection_for_write()
         try:
             errors = (KombuError, OSError, *conn.connection_errors, *conn.channel_errors)
         finally:
             conn.release()
-        app._celery_lease_broker_errors = errors
+        state.broker_errors = errors
     return errors

@@ -5,8 +5,9 @@
   ``lease_renew_interval`` against the app's ``lease_ttl``, the app's
   ``lease_clock_drift`` against a task's own ``lease_ttl``), so a wrong one
   stops the worker with a message naming it;
-- ``worker_process_init`` (each prefork child): drop stores inherited from the
-  parent (connection pools are also reset by ``os.register_at_fork`` hooks);
+- each prefork child builds its own stores: the app's runtime is kept with the
+  pid that made it (``task.runtime``), and connection pools are reset by
+  ``os.register_at_fork`` hooks, so nothing is shared with the parent;
 - ``worker_process_shutdown`` (a child's warm exit): release the leases it holds;
 - ``task_revoked`` with ``terminate=True`` (main process): the child is killed
   mid-body, so release its lease on its behalf (evict the lease read, if it
@@ -21,8 +22,9 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
-from celery.signals import task_revoked, worker_process_init, worker_process_shutdown
+from celery.signals import task_revoked, worker_process_shutdown
 
+from celery_lease.appstate import app_state
 from celery_lease.exceptions import StoreUnavailable
 
 if TYPE_CHECKING:
@@ -102,21 +104,15 @@ def check_tasks(app: Any, cfg: Config) -> None:
 
 def install(app: Any) -> None:
     """Add the bootstep and connect the handlers (idempotent)."""
-    if getattr(app, "_celery_lease_installed", False):
+    state = app_state(app)
+    if state.installed:
         return
-    app._celery_lease_installed = True
+    state.installed = True
     app.steps["worker"].add(LeaseBootstep)
-    worker_process_init.connect(_process_init, weak=False, dispatch_uid="celery_lease.init")
     worker_process_shutdown.connect(
         _process_shutdown, weak=False, dispatch_uid="celery_lease.shutdown"
     )
     task_revoked.connect(_revoked, weak=False, dispatch_uid="celery_lease.revoked")
-
-
-def _process_init(**kwargs: Any) -> None:
-    from celery_lease import task
-
-    task._runtimes.clear()
 
 
 def _process_shutdown(**kwargs: Any) -> None:

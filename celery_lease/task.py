@@ -47,6 +47,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.states import FAILURE, STARTED, SUCCESS
 
 from celery_lease import events, metrics
+from celery_lease.appstate import app_state
 from celery_lease.config import (
     CONFLICT_POLICIES,
     DUPLICATE_POLICIES,
@@ -92,10 +93,7 @@ class Runtime:
     """This process's stores for one app (new after fork)."""
 
     def __init__(self, cfg: Config) -> None:
-        options = dict(cfg.store_options)
-        if cfg.store_url.split("://", 1)[0] in ("redis", "rediss", "unix", "etcd", "etcds"):
-            options.setdefault("key_prefix", cfg.key_prefix)
-        self.store: LeaseStore = LeaseStore.from_url(cfg.store_url, **options)
+        self.store: LeaseStore = LeaseStore.from_settings(cfg)
         self.results = ResultTable(cfg.result_url, self.store, max_bytes=cfg.result_max_bytes)
         #: Renew a lease until its commit has answered (not only until the body
         #: ended): a commit that waits for the result database's lock longer
@@ -113,21 +111,20 @@ class Runtime:
             self.clock = self.results.db.now
 
 
-_runtimes: dict[int, tuple[int, Runtime]] = {}
 _runtimes_lock = threading.Lock()
 
 
 def runtime(app: Any) -> Runtime:
-    """The process's :class:`Runtime` for ``app``."""
+    """The process's :class:`Runtime` for ``app`` (a new one after fork)."""
     pid = os.getpid()
-    entry = _runtimes.get(id(app))
+    state = app_state(app)
+    entry = state.runtime
     if entry is not None and entry[0] == pid:
         return entry[1]  # the common case, on every task: no lock
     with _runtimes_lock:
-        entry = _runtimes.get(id(app))
+        entry = state.runtime
         if entry is None or entry[0] != pid:
-            entry = (pid, Runtime(config(app)))
-            _runtimes[id(app)] = entry
+            entry = state.runtime = (pid, Runtime(config(app)))
         return entry[1]
 
 
@@ -1011,7 +1008,8 @@ def _broker_marks_redeliveries(app: Any) -> bool:
     """True if the app's broker transport flags every redelivered message
     (``delivery_info["redelivered"]``): Redis (its restores and requeues)
     and AMQP. Other transports (filesystem, SQS, ...) requeue without it."""
-    known: bool | None = getattr(app, "_celery_lease_marks_redeliveries", None)
+    state = app_state(app)
+    known = state.marks_redeliveries
     if known is None:
         try:
             conn = app.connection_for_read()
@@ -1024,7 +1022,7 @@ def _broker_marks_redeliveries(app: Any) -> bool:
             # unknown alias, a missing library, a bad URL): cannot tell, so
             # check every copy.
             known = False
-        app._celery_lease_marks_redeliveries = known
+        state.marks_redeliveries = known
     return known
 
 

@@ -70,3 +70,12 @@ def test_readme_settings_table_lists_every_setting() -> None:
     section = README.split("## Settings", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"^\| `(lease_\w+)` \|", section, flags=re.M))
     assert listed == set(SETTINGS)
+
+
+def test_readme_settings_table_shows_every_default() -> None:
+    section = README.split("## Settings", 1)[1].split("\n## ", 1)[0]
+    shown = dict(re.findall(r"^\| `(lease_\w+)` \| (.*?) \|", section, flags=re.M))
+    assert set(shown) <= set(SETTINGS), f"README lists unknown {set(shown) - set(SETTINGS)}"
+    for name, setting in SETTINGS.items():
+        assert name in shown, f"README's settings table has no row for {name}"
+        assert shown[name] == setting.readme_default, name

@@ -44,17 +44,26 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery_lease.exceptions import LeaseConfigError, LeaseNotAcquired
 from celery_lease.keys import has_unstorable, shorten
-from celery_lease.redaction import redact
+from celery_lease.stores.registry import ENTRY_POINT_GROUP, known_schemes, store_class
+from celery_lease.urls import redact_url, scheme_of
 
 if TYPE_CHECKING:
+    from celery_lease.config import Config
     from celery_lease.renewal import HeldLease
 
-__all__ = ["MAX_TTL", "META_FIELDS", "Lease", "LeaseRecord", "LeaseStore", "new_owner_id"]
+__all__ = [
+    "MAX_TTL",
+    "META_FIELDS",
+    "Lease",
+    "LeaseRecord",
+    "LeaseStore",
+    "new_owner_id",
+    "redact_url",  # re-exported: its home is celery_lease.urls
+]
 
 #: The longest lease, in seconds: one year (365 days). Every store keeps it
 #: exactly: Redis holds expiry in microseconds as a Lua number, exact (and
@@ -207,10 +216,11 @@ class LeaseStore(ABC):
     arguments first, so every store rejects bad input the same way.
     """
 
-    #: URL schemes this store serves (also registered in the entry-point group).
-    schemes: ClassVar[tuple[str, ...]] = ()
-    #: Entry-point group third-party stores register under.
-    ENTRY_POINT_GROUP: ClassVar[str] = "celery_lease.stores"
+    #: Whether the store's URL is a SQL database's, which can also hold the
+    #: fenced result table (``lease_result_url`` defaults to it).
+    is_sql: ClassVar[bool] = False
+    #: Whether the constructor takes ``key_prefix`` (``lease_key_prefix``).
+    takes_key_prefix: ClassVar[bool] = False
     #: True if :meth:`time` is a server's clock, not this machine's (etcd
     #: answers no time; an embedded SQLite file has the process's own).
     server_clock: bool = True
@@ -222,26 +232,41 @@ class LeaseStore(ABC):
         """The store for ``url``, chosen by scheme.
 
         ``redis://``, ``rediss://``, ``unix://`` -> Redis; ``postgresql+psycopg://``
-        and ``sqlite:///`` -> SQL. Other schemes are looked up in the
-        ``celery_lease.stores`` entry-point group.
+        (``postgresql://``, ``postgres://``) and ``sqlite:///`` -> SQL; ``etcd://``,
+        ``etcds://`` -> etcd. Other schemes are looked up in the
+        ``celery_lease.stores`` entry-point group (:mod:`celery_lease.stores.registry`).
         """
-        if not isinstance(url, str) or "://" not in url:
-            raise LeaseConfigError(f"a lease store URL looks like scheme://..., got {url!r}")
-        scheme = url.split("://", 1)[0].lower()
-        store_cls = _builtin_store(scheme)
-        if store_cls is None:
-            for ep in entry_points(group=cls.ENTRY_POINT_GROUP):
-                if ep.name == scheme:
-                    store_cls = ep.load()
-                    break
-        if store_cls is None:
-            raise LeaseConfigError(
-                f"no lease store for URL scheme {scheme!r} (known: redis, rediss, unix, "
-                "postgresql+psycopg, sqlite; others through the 'celery_lease.stores' "
-                "entry-point group)"
-            )
-        store: LeaseStore = store_cls(url, **options)  # type: ignore[call-arg]
+        store: LeaseStore = _store_class(url)(url, **options)  # type: ignore[call-arg]
         return store
+
+    @classmethod
+    def from_settings(cls, cfg: Config) -> LeaseStore:
+        """The store of an app's ``lease_store_url``, ``lease_store_options`` and
+        ``lease_key_prefix`` (already validated by :class:`~celery_lease.config.Config`)."""
+        store_cls = _store_class(cfg.store_url)
+        options = store_cls.options_from_settings(cfg.store_options, cfg.key_prefix)
+        store: LeaseStore = store_cls(cfg.store_url, **options)  # type: ignore[call-arg]
+        return store
+
+    # -- what the settings check and pass (class methods, no I/O) ---------
+
+    @classmethod  # noqa: B027 - a store without a URL check accepts any
+    def check_url(cls, name: str, url: str) -> None:
+        """Refuse ``url`` if this store's client could not use it; errors name
+        the setting ``name``. Called at worker start, before any connection."""
+
+    @classmethod  # noqa: B027 - a store without an options check takes any
+    def check_options(cls, url: str, options: Mapping[str, Any], key_prefix: str) -> None:
+        """Refuse ``lease_store_options`` this store cannot take (at worker start)."""
+
+    @classmethod
+    def options_from_settings(cls, options: Mapping[str, Any], key_prefix: str) -> dict[str, Any]:
+        """The constructor's keyword arguments from ``lease_store_options`` and
+        ``lease_key_prefix`` (passed only to stores that take it)."""
+        kwargs = dict(options)
+        if cls.takes_key_prefix:
+            kwargs.setdefault("key_prefix", key_prefix)
+        return kwargs
 
     # -- public API -------------------------------------------------------
 
@@ -436,19 +461,26 @@ class LeaseStore(ABC):
         return f"<{type(self).__name__} {redact_url(self.url)}>"
 
 
-def redact_url(url: str) -> str:
-    """``url`` with its password and password-like query parameters masked
-    (:func:`celery_lease.redaction.redact`), for logs, errors and CLI output."""
-    return redact(url)
+def _store_class(url: str) -> type[LeaseStore]:
+    if not isinstance(url, str) or "://" not in url:
+        raise LeaseConfigError(f"a lease store URL looks like scheme://..., got {url!r}")
+    scheme = scheme_of(url)
+    store_cls = store_class(scheme)
+    if store_cls is None:
+        raise LeaseConfigError(
+            f"no lease store for URL scheme {scheme!r} (known: {', '.join(known_schemes())}; "
+            f"others through the {ENTRY_POINT_GROUP!r} entry-point group)"
+        )
+    return store_cls
 
 
-def _builtin_store(scheme: str) -> type[LeaseStore] | None:
-    if scheme in ("redis", "rediss", "unix"):
-        from celery_lease.stores.redis import RedisLeaseStore
+def refuse_key_prefix_option(options: Mapping[str, Any]) -> None:
+    """The key prefix is a setting of its own, for every store that takes one."""
+    if "key_prefix" in options:
+        raise LeaseConfigError("set lease_key_prefix, not lease_store_options['key_prefix']")
 
-        return RedisLeaseStore
-    if scheme.startswith("postgresql") or scheme.startswith("sqlite"):
-        from celery_lease.stores.sql import SQLLeaseStore
 
-        return SQLLeaseStore
-    return None
+def check_option_names(options: Mapping[str, Any]) -> None:
+    bad = [k for k in options if not isinstance(k, str)]
+    if bad:
+        raise LeaseConfigError(f"lease_store_options keys must be strings, got {bad!r}")

@@ -79,12 +79,18 @@ import builtins
 import json
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from celery_lease.exceptions import LeaseConfigError, LeaseError, StoreUnavailable
-from celery_lease.stores.base import Lease, LeaseRecord, LeaseStore, redact_url
+from celery_lease.stores.base import (
+    Lease,
+    LeaseRecord,
+    LeaseStore,
+    redact_url,
+    refuse_key_prefix_option,
+)
 from celery_lease.stores.etcd_renew import RenewAndRelease
 from celery_lease.stores.etcd_wire import (
     DEFAULT_MAX_TXN_OPS,
@@ -138,7 +144,7 @@ _MAX_KNOWN = 10_000
 class EtcdLeaseStore(RenewAndRelease, LeaseStore):
     """Leases in etcd (see the module docstring for the layout and guarantees)."""
 
-    schemes = ("etcd", "etcds")
+    takes_key_prefix = True
     server_clock = False  # etcd's leader keeps expiry, but answers no clock
 
     #: seconds after a lease's ``expires_at`` by which etcd has freed its keys
@@ -147,6 +153,13 @@ class EtcdLeaseStore(RenewAndRelease, LeaseStore):
     #: ``inspect()``/``list()`` expiry estimates are at most this far above the
     #: store's expiry (etcd reports a lease's remaining TTL in whole seconds)
     expiry_resolution = 1.1
+
+    @classmethod
+    def check_options(cls, url: str, options: Mapping[str, Any], key_prefix: str) -> None:
+        """Build the store (no I/O) even without options, so a malformed URL or
+        a missing certificate file fails at worker start."""
+        refuse_key_prefix_option(options)
+        cls(url, **cls.options_from_settings(options, key_prefix)).close()
 
     def __init__(
         self,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import builtins
 import inspect
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -64,8 +64,11 @@ from celery_lease.stores.base import (
     Lease,
     LeaseRecord,
     LeaseStore,
+    check_option_names,
     redact_url,
+    refuse_key_prefix_option,
 )
+from celery_lease.urls import check_redis_url
 
 __all__ = ["RedisLeaseStore"]
 
@@ -248,7 +251,25 @@ _KEEP_IDLE = 4
 
 
 class RedisLeaseStore(LeaseStore):
-    schemes = ("redis", "rediss", "unix")
+    takes_key_prefix = True
+
+    @classmethod
+    def check_url(cls, name: str, url: str) -> None:
+        check_redis_url(name, url)
+
+    @classmethod
+    def check_options(cls, url: str, options: Mapping[str, Any], key_prefix: str) -> None:
+        """The client's keyword arguments: certificate files must exist, and the
+        client is built (no I/O) so an unknown option fails at worker start."""
+        if not options:
+            return
+        check_option_names(options)
+        refuse_key_prefix_option(options)
+        for option in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path"):
+            path = options.get(option)
+            if path is not None and not (isinstance(path, str) and os.path.exists(path)):
+                raise LeaseConfigError(f"lease_store_options[{option!r}]: no such file {path!r}")
+        cls(url, **cls.options_from_settings(options, key_prefix)).close()
 
     def __init__(self, url: str, key_prefix: str = "celery-lease", **options: Any) -> None:
         self.url = url

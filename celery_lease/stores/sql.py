@@ -19,6 +19,7 @@ the token. So tokens only grow, across release, expiry, sweeps and restarts.
 from __future__ import annotations
 
 import builtins
+from collections.abc import Mapping
 from typing import Any
 
 from celery_lease import db as q
@@ -29,10 +30,12 @@ from celery_lease.stores.base import (
     LeaseRecord,
     LeaseStore,
     check_meta,
+    check_option_names,
     check_ttl,
     make_lease,
     normalize_keys,
 )
+from celery_lease.urls import check_sql_url
 
 __all__ = ["SQLLeaseStore"]
 
@@ -55,7 +58,24 @@ def claim_params(key: str, owner_id: str, ttl: float, meta: dict[str, str]) -> d
 
 
 class SQLLeaseStore(LeaseStore):
-    schemes = ("postgresql", "postgresql+psycopg", "sqlite")
+    is_sql = True
+
+    @classmethod
+    def check_url(cls, name: str, url: str) -> None:
+        check_sql_url(name, url)
+
+    @classmethod
+    def check_options(cls, url: str, options: Mapping[str, Any], key_prefix: str) -> None:
+        from celery_lease.exceptions import LeaseConfigError
+
+        if not options:
+            return
+        check_option_names(options)
+        raise LeaseConfigError(
+            "lease_store_options applies to Redis lease stores only; for PostgreSQL put "
+            "connection options in lease_store_url's query (?sslmode=verify-full&"
+            f"sslrootcert=/path/ca.crt), got {sorted(options)}"
+        )
 
     def __init__(self, url: str, **options: Any) -> None:
         self.db = q.database(url)

@@ -1,0 +1,69 @@
+"""Which store class serves a URL scheme: one table, the way Celery resolves result backends.
+
+``ALIASES`` names the built-in stores by dotted path (imported only when a URL
+of theirs is used); the ``celery_lease.stores`` entry-point group adds
+third-party ones. A built-in alias wins over an entry point of the same name,
+so a package cannot take over ``redis://`` by registering it. Everything that
+needs to know about schemes asks here; every error listing the known schemes
+lists :func:`known_schemes`.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING
+
+from celery_lease.urls import scheme_of
+
+if TYPE_CHECKING:
+    from celery_lease.stores.base import LeaseStore
+
+__all__ = ["ALIASES", "ENTRY_POINT_GROUP", "is_sql_url", "known_schemes", "store_class"]
+
+#: Entry-point group third-party stores register under (``scheme = module:Class``).
+ENTRY_POINT_GROUP = "celery_lease.stores"
+
+_REDIS = "celery_lease.stores.redis:RedisLeaseStore"
+_SQL = "celery_lease.stores.sql:SQLLeaseStore"
+_ETCD = "celery_lease.stores.etcd:EtcdLeaseStore"
+
+#: Built-in schemes, in the order errors list them.
+ALIASES: dict[str, str] = {
+    "redis": _REDIS,
+    "rediss": _REDIS,
+    "unix": _REDIS,
+    "sqlite": _SQL,
+    "postgresql": _SQL,
+    "postgres": _SQL,
+    "postgresql+psycopg": _SQL,
+    "etcd": _ETCD,
+    "etcds": _ETCD,
+}
+
+
+def aliases() -> dict[str, str]:
+    """Every known scheme and the dotted path of its store class."""
+    table = dict(ALIASES)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        table.setdefault(ep.name, ep.value)
+    return table
+
+
+def known_schemes() -> tuple[str, ...]:
+    """The schemes :func:`store_class` resolves: built-in first, then entry points."""
+    return tuple(aliases())
+
+
+def store_class(scheme: str) -> type[LeaseStore] | None:
+    """The store class for ``scheme`` (lower case), imported now; None if unknown."""
+    path = aliases().get(scheme)
+    if path is None:
+        return None
+    store_cls: type[LeaseStore] = EntryPoint(scheme, path, ENTRY_POINT_GROUP).load()
+    return store_cls
+
+
+def is_sql_url(url: str) -> bool:
+    """True if ``url`` is a SQL database's (it can also hold the fenced result table)."""
+    store_cls = store_class(scheme_of(url))
+    return store_cls is not None and store_cls.is_sql
