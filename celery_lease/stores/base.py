@@ -437,4 +437,8 @@ def _builtin_store(scheme: str) -> type[LeaseStore] | None:
         from celery_lease.stores.sql import SQLLeaseStore
 
         return SQLLeaseStore
+    if scheme == "memory":  # celery_lease.testing (also in the entry-point group)
+        from celery_lease.testing.memory import MemoryLeaseStore
+
+        return MemoryLeaseStore
     return None
