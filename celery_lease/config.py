@@ -302,7 +302,8 @@ def _url(name: str, value: Any) -> str:
     if scheme not in known:
         from importlib.metadata import entry_points
 
-        if scheme not in {ep.name for ep in entry_points(group="celery_lease.stores")}:
+        stores = {"memory"} | {ep.name for ep in entry_points(group="celery_lease.stores")}
+        if scheme not in stores:
             raise LeaseConfigError(
                 f"{name}: unknown URL scheme {scheme!r} in {redact_url(value)!r}; "
                 f"known: {', '.join(known)}"
@@ -348,7 +349,8 @@ def _parse_url(name: str, value: str, scheme: str) -> None:
     if scheme.startswith("sqlite") and (url.database or "") in ("", ":memory:"):
         raise LeaseConfigError(
             f"{name}: {shown} names no file; an SQLite store needs a file shared by all "
-            "processes: sqlite:///path"
+            "processes: sqlite:///path (for tests: celery_lease.testing, memory:// leases "
+            "and a temporary SQLite file)"
         )
     if scheme.startswith("postgres") and not url.database:
         raise LeaseConfigError(

@@ -130,3 +130,19 @@ def test_one_owner_at_a_time_under_threads(store: MemoryLeaseStore) -> None:
         t.join(60)
     assert not overlaps, overlaps[:3]
     assert tokens and len(set(tokens)) == len(tokens), "a token was granted twice"
+
+
+def test_sqlite_in_memory_is_refused_pointing_at_celery_lease_testing() -> None:
+    """Each connection to sqlite:///:memory: would see its own empty database."""
+    from celery import Celery
+
+    from celery_lease.config import Config
+
+    with pytest.raises(LeaseConfigError, match="celery_lease.testing"):
+        LeaseStore.from_url("sqlite:///:memory:")
+    app = Celery("mem", set_as_current=False)
+    for name in ("lease_store_url", "lease_result_url"):
+        app.conf.update({name: "sqlite:///:memory:"})
+        with pytest.raises(LeaseConfigError, match=f"{name}.*celery_lease.testing"):
+            Config.from_app(app)
+        app.conf.update({name: None})
