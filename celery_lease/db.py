@@ -298,7 +298,8 @@ class Database:
             database = parsed.database or ""
             if database in ("", ":memory:"):
                 raise LeaseConfigError(
-                    "an SQLite lease store needs a file shared by all processes: sqlite:///path"
+                    "an SQLite lease store needs a file shared by all processes: sqlite:///path "
+                    "(for tests: celery_lease.testing, memory:// leases and a temporary file)"
                 )
             self.sqlite_path: str | None = os.path.abspath(database)
             options["connect_args"] = {"timeout": 30.0, "check_same_thread": False}

@@ -48,6 +48,7 @@ from sqlalchemy import Connection, text
 
 from celery_lease import db as q
 from celery_lease.exceptions import LeaseConfigError, StaleFencingToken
+from celery_lease.local import LocalLease
 from celery_lease.renewal import HeldLease
 from celery_lease.stores.base import Lease, LeaseStore
 
@@ -57,7 +58,7 @@ __all__ = ["current", "guard", "headers"]
 def guard(
     connection: Connection,
     resource: str,
-    token: int | HeldLease | Lease,
+    token: int | HeldLease | Lease | LocalLease,
     *,
     store: LeaseStore | None = None,
 ) -> None:
@@ -74,6 +75,8 @@ def guard(
     """
     held: HeldLease | None = None
     lease: Lease | None = None
+    if isinstance(token, LocalLease):
+        token = token.token  # a direct call's: the bare token 0 (celery_lease/local.py)
     if isinstance(token, HeldLease):
         held, lease = token, token.lease
         store = store or token.store

@@ -69,6 +69,7 @@ from celery_lease.exceptions import (
     StoreUnavailable,
 )
 from celery_lease.keys import INTERNAL_PREFIX, KeySpec, scoped
+from celery_lease.local import LocalLease
 from celery_lease.renewal import HeldLease, renewer
 from celery_lease.results import AcceptedResult, Prepared, ResultTable, encode_result
 from celery_lease.scope import HEADER_KEYS, HEADER_TENANT, authorize, publish_headers, resolve
@@ -285,9 +286,14 @@ class LeasedTask(Task):  # type: ignore[misc]
         return runtime(self.app).results.accepted(scoped(key, tenant), tenant)
 
     @property
-    def lease(self) -> HeldLease | None:
-        """The lease the current execution holds (None outside a leased execution)."""
-        return getattr(self.request, "_celery_lease", None)
+    def lease(self) -> HeldLease | LocalLease | None:
+        """The lease the current execution holds; in a direct call ``task(...)``,
+        a :class:`~celery_lease.local.LocalLease` (no store, token 0); else None."""
+        req = self.request_stack.top
+        held = getattr(req, "_celery_lease", None)
+        if held is None and req is not None and req.called_directly:
+            held = req._celery_lease = LocalLease(self, req.args or (), req.kwargs or {})
+        return held
 
     # -- execution -------------------------------------------------------------
 

@@ -66,7 +66,8 @@ def check_sql_url(name: str, url: str) -> None:
     if scheme.startswith("sqlite") and (parsed.database or "") in ("", ":memory:"):
         raise LeaseConfigError(
             f"{name}: {shown} names no file; an SQLite store needs a file shared by all "
-            "processes: sqlite:///path"
+            "processes: sqlite:///path (for tests: celery_lease.testing, memory:// leases "
+            "and a temporary SQLite file)"
         )
     if scheme.startswith("postgres") and not parsed.database:
         raise LeaseConfigError(

@@ -41,7 +41,10 @@ from tests.servers import (
     iter_live_servers,
 )
 
-pytest_plugins = ("pytester",)  # tests/test_servers.py checks the --slow switch
+# pytester: tests/test_servers.py checks the --slow switch. The celery-lease
+# plugin is a pytest11 entry point once installed; named here too for a
+# checkout whose installed metadata predates it (same name: loaded once).
+pytest_plugins = ("pytester", "celery_lease.testing.pytest_plugin")
 
 # --------------------------------------------------------------------------
 # options and markers

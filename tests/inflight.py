@@ -10,9 +10,10 @@ waits behind it, deterministically:
   its statement started (and read the clock); :meth:`Gate.wait_blocked`
   proves the wait from ``pg_blocking_pids``. Other rows are not locked, so a
   release or commit of another lease goes through meanwhile.
-* SQLite: the database's write lock (``BEGIN IMMEDIATE``). Every write waits
-  for it, the renewal and the release alike, so the two run one after the
-  other once the gate opens, in an order the test cannot choose; SQLite's
+* SQLite: the database's write lock (``BEGIN IMMEDIATE``); and the
+  in-memory store's one lock, of the same shape. Every write waits for it,
+  the renewal and the release alike, so the two run one after the other
+  once the gate opens, in an order the test cannot choose; SQLite's
   busy wait is not observable from outside, so there is nothing to prove.
 
 Redis (a Lua script) and etcd (a transaction) run each operation atomically:
@@ -30,6 +31,7 @@ from sqlalchemy.pool import NullPool
 
 from celery_lease import LeaseStore
 from celery_lease.stores.sql import SQLLeaseStore
+from celery_lease.testing import MemoryLeaseStore
 from tests.servers import wait_for
 
 __all__ = ["Gate", "gate"]
@@ -87,11 +89,24 @@ class _SqliteGate(Gate):
         self.conn.close()
 
 
+class _MemoryGate(Gate):
+    """The memory store's one lock: like SQLite's, every operation waits for it."""
+
+    def __init__(self, store: MemoryLeaseStore) -> None:
+        self.lock = store._space.lock
+        self.lock.acquire()
+
+    def open(self) -> None:
+        self.lock.release()
+
+
 @contextmanager
 def gate(store: LeaseStore, key: str) -> Iterator[Gate | None]:
     """Hold operations on ``key``'s lease in flight for the block (None: not possible)."""
-    held: _PgGate | _SqliteGate | None = None
-    if isinstance(store, SQLLeaseStore):
+    held: _PgGate | _SqliteGate | _MemoryGate | None = None
+    if isinstance(store, MemoryLeaseStore):
+        held = _MemoryGate(store)
+    elif isinstance(store, SQLLeaseStore):
         if store.db.is_sqlite:
             assert store.db.sqlite_path is not None
             held = _SqliteGate(store.db.sqlite_path)

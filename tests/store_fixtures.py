@@ -21,6 +21,7 @@ from tests.servers import wait_for
 __all__ = [
     "ALL_STORE_KINDS",
     "CLIENT",
+    "CONTRACT_STORE_KINDS",
     "PYTHON",
     "STORE_KINDS",
     "client_env",
@@ -35,6 +36,10 @@ STORE_KINDS = ("redis", "postgres", "sqlite")
 #: Those and etcd (a 3-member cluster), for the suites that import the
 #: ``etcd_url`` fixture from ``tests/etcd_cluster.py`` (the store contract).
 ALL_STORE_KINDS = (*STORE_KINDS, pytest.param("etcd", marks=pytest.mark.etcd))
+#: Those and celery_lease.testing's in-memory store, for the contract suite: it
+#: must keep the same contract as the real stores (that it does proves nothing
+#: about them; it is there so users' unit tests see a store that behaves alike).
+CONTRACT_STORE_KINDS = (*ALL_STORE_KINDS, "memory")
 
 #: The subprocess client (run as a script, so it needs no ``tests`` package).
 CLIENT = str(Path(__file__).with_name("lease_client.py"))
@@ -56,6 +61,13 @@ def store_url(request: pytest.FixtureRequest, kind: str) -> str:
         url = request.getfixturevalue("sqlite_url")
     elif kind == "etcd":
         url = request.getfixturevalue("etcd_url")
+    elif kind == "memory":
+        # A space of its own, real-time clock (time passes as on a server, so
+        # wait_until_expired sleeps out a TTL as for the other stores).
+        from celery_lease.testing import MemoryLeaseStore
+
+        url = f"memory://contract-{uuid.uuid4().hex}"
+        request.addfinalizer(MemoryLeaseStore(url).drop)
     else:  # pragma: no cover - a typo in a parametrization
         raise ValueError(kind)
     return url

@@ -38,6 +38,7 @@ ALIASES: dict[str, str] = {
     "postgresql+psycopg": _SQL,
     "etcd": _ETCD,
     "etcds": _ETCD,
+    "memory": "celery_lease.testing.memory:MemoryLeaseStore",  # for users' tests only
 }
 
 
