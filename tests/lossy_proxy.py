@@ -8,6 +8,11 @@ and answered), and then the client's connection is closed instead of
 forwarding that reply. The client sees a dropped connection for a request the
 server did apply: the fault a retry after a lost reply must survive.
 
+``drop_replies(match)`` loses the reply to every request containing
+``match`` until ``stop_dropping()``: a client that sends the request again on
+a new connection (a driver's or a store's own resend) loses that reply too,
+so the caller sees the error however often the request is repeated.
+
 ``hold_next_request(match)`` delays one request instead: it reaches the
 server only after ``resume()``, so a test can land another client's request
 in between (a race made deterministic).
@@ -51,6 +56,7 @@ class LossyProxy:
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._armed: bytes | None = None
+        self._armed_once = True
         self._hold: bytes | None = None
         self._held = threading.Event()
         self._resume = threading.Event()
@@ -68,7 +74,20 @@ class LossyProxy:
         """Lose the reply to the next request containing ``match`` (once)."""
         with self._lock:
             self._armed = match
+            self._armed_once = True
             self._dropped_event.clear()
+
+    def drop_replies(self, match: bytes) -> None:
+        """Lose the reply to every request containing ``match``, until :meth:`stop_dropping`."""
+        with self._lock:
+            self._armed = match
+            self._armed_once = False
+            self._dropped_event.clear()
+
+    def stop_dropping(self) -> None:
+        """Forward every reply again."""
+        with self._lock:
+            self._armed = None
 
     def hold_next_request(self, match: bytes) -> None:
         """Keep the next request containing ``match`` from the server until :meth:`resume`."""
@@ -157,15 +176,19 @@ class LossyProxy:
                     pending.clear()
                     armed = self._armed
                     drop = armed is not None and armed in request
-                    if drop:
+                    if drop and self._armed_once:
                         self._armed = None
                 if drop:
                     self.dropped.append(Dropped(request, data))
                     # RST, not FIN: the client must not wait for the rest of a reply.
+                    # The socket is reset when its last user lets go of it: wake the
+                    # _upstream thread blocked in recv on it first (SHUT_RD sends
+                    # nothing), or the reset waits for the client's next request.
                     with contextlib.suppress(OSError):
                         client.setsockopt(
                             socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
                         )
+                        client.shutdown(socket.SHUT_RD)
                     client.close()
                     server.close()
                     self._dropped_event.set()
