@@ -117,7 +117,7 @@ def _sqlite(env: Env, n: int, rounds: int, plain_prefork: float) -> str:
     from sqlalchemy.engine import Engine
 
     from benchmarks import benchapp
-    from celery_lease import db as q
+    from celery_lease.sql import driver as q
 
     url = env.sqlite_url("stmtcost")
     ours_path = url.removeprefix("sqlite:///")
