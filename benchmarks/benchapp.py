@@ -25,7 +25,7 @@ Variables:
 - ``BENCH_TIMES_DIR``: where completion times go
 - ``BENCH_SQL_TRACE``: count SQLite statements (the count is written with each time),
   and PostgreSQL round trips and statements as celery-lease's driver layer sends them
-  (``celery_lease.db.PG_TRAFFIC``: pipelining sends several statements per round trip)
+  (``celery_lease.sql.PG_TRAFFIC``: pipelining sends several statements per round trip)
 - ``BENCH_PROFILE``: cProfile the tasks of a solo worker, dump stats there at shutdown
   (``BENCH_PROFILE_SKIP``: after that many warm-up tasks; ``BENCH_PROFILE_UNTIL``: stop
   after that many tasks)
@@ -59,7 +59,7 @@ FLOOR_TABLE_PG = (
 FLOOR_TABLE_SQLITE = (
     "CREATE TABLE IF NOT EXISTS bench_floor_results (task_id TEXT PRIMARY KEY, result TEXT)"
 )
-#: Copied from celery-lease's SQLite connections (celery_lease/db.py: ``Database`` passes
+#: Copied from celery-lease's SQLite connections (celery_lease/sql/driver.py: ``Database`` passes
 #: ``timeout=30.0``; its connect listener sets autocommit (``isolation_level = None``),
 #: ``journal_mode=WAL`` and ``busy_timeout=30000``; ``synchronous`` is left at the
 #: default, FULL).
@@ -137,7 +137,7 @@ class _Floor:
     def claim_and_commit(self, task_id: str, result: Any) -> None:
         """celery-lease's PostgreSQL statements for one key, sent raw (leases and
         results in one database): what ``LeasedTask`` sends, without its code."""
-        from celery_lease import db as q
+        from celery_lease.sql import queries as q
 
         cursor = self._cursor()
         key = f"floor-{task_id}"
@@ -148,7 +148,7 @@ class _Floor:
         )  # fmt: skip
         token = cursor.fetchone()[0]
         cursor.execute(
-            q.PG_COMMIT_PY[True, False, True],  # release, not once, one key
+            q.PG_COMMIT_COLOCATED_PY[True, False, True],  # release, not once, one key
             {"key": key, "token": token, "task_id": task_id, "task_name": "bench.noop",
              "owner_id": task_id, "tenant": None, "root_id": None,
              "result": json.dumps(result)},
@@ -312,7 +312,7 @@ def _write_time(**_: Any) -> None:
         # counting runs only: the per-statement histogram after warm-up and at the end
         _completed[0] += 1
         directory = os.environ["BENCH_TIMES_DIR"]
-        from celery_lease.db import PG_TRAFFIC
+        from celery_lease.sql import PG_TRAFFIC
 
         for name, data in (
             ("sqlhist", json.dumps(_sql_by_statement)),

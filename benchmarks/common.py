@@ -122,7 +122,7 @@ class Env:
 
     def pg_drop(self, url: str) -> None:
         name = url.rsplit("/", 1)[1]
-        from celery_lease import db as q
+        from celery_lease.sql import driver as q
 
         if q.normalize_sql_url(url) in q._databases:
             q._databases.pop(q.normalize_sql_url(url)).dispose()
@@ -169,7 +169,7 @@ def start_env(
     pg_base: str | None = None
     admin_db = "postgres"
     if pg_url:
-        from celery_lease.db import normalize_sql_url
+        from celery_lease.sql import normalize_sql_url
 
         pg_url = normalize_sql_url(pg_url)
         pg_base, _, admin_db = pg_url.rpartition("/")
@@ -493,25 +493,13 @@ _sql_names: list[tuple[str, str]] = []
 
 
 def sql_name(query: str) -> str | None:
-    """The name of the ``celery_lease/db.py`` constant a statement comes from, if any."""
+    """The name of the ``celery_lease/sql`` statement a statement comes from, if any."""
     if not _sql_names:
-        from celery_lease import db as q
+        from celery_lease.sql.dialects import DIALECTS, rendered
 
-        fmt = {
-            "keys": ":k0",
-            "set": getattr(q, "RESULT_RELEASE_SET", ""),
-            "for_update": "FOR UPDATE",
-        }
-        for name, value in vars(q).items():
-            if not (name.isupper() and isinstance(value, str) and len(value) > 5):
-                continue
-            for now in q.NOW.values():
-                for result in ("CAST(:result AS jsonb)", ":result"):
-                    try:
-                        text = value.format(**fmt, now=now, result=result)
-                    except (KeyError, IndexError, ValueError):
-                        text = value
-                    _sql_names.append((_norm_sql(text), name))
+        for dialect in DIALECTS:
+            for name, text in rendered(dialect):
+                _sql_names.append((_norm_sql(text), name))
     n = _norm_sql(query)
     for text, name in _sql_names:
         if n == text:

@@ -299,64 +299,46 @@ def run(env: Env) -> Section:
     return section
 
 
-#: statements of the per-task path, by their name in celery_lease/db.py (those that exist)
+#: statements of the per-task path, by their name in celery_lease/sql (those that exist)
 EXPLAINED = [
     ("PG_CLAIM_ONE", "claim, PostgreSQL store (one statement)", "fresh"),
-    ("RELEASE_IN", "release, PostgreSQL store", "live"),
-    ("PG_PREPARE", "prepare (register + look-ups)", "fresh"),
-    ("RESULT_REGISTER", "prepare: register the token (leases elsewhere)", "fresh"),
+    ("release_in", "release, PostgreSQL store", "live"),
+    ("register_fence", "prepare: register the token (leases elsewhere)", "fresh"),
     ("PREPARE_LOOKUP", "prepare: redelivery / duplicate look-ups", "live"),
-    ("SQLITE_PREPARE", "prepare: look-ups", "live"),
     (
-        "pg_commit_colocated",
+        "PG_COMMIT_COLOCATED[release=True, once=False, one_key=True]",
         "commit (same database, one statement): own + release the lease row, insert the result",
         "live",
     ),
-    ("RESULT_LOCK_FENCE", "commit (leases elsewhere): lock the fence row", "live"),
-    ("RESULT_OWN_LEASE", "commit (same database): own + release the lease row", "live"),
+    ("lock_fence", "commit (leases elsewhere): lock the fence row", "live"),
     ("RESULT_DUPLICATE", "commit, once mode: an accepted result for the key?", "live"),
-    ("RESULT_INSERT", "commit: insert the accepted result", "fresh"),
+    ("result_insert[once=False]", "commit: insert the accepted result", "fresh"),
     ("RESULT_ACCEPTED", "`accepted()`: newest result of a key", "live"),
 ]
-
-
-#: statements built by a function of celery_lease/db.py: the arguments the per-task path uses
-BUILT: dict[str, dict[str, Any]] = {
-    "pg_commit_colocated": {"release": True, "once": False, "one_key": True}
-}
 
 
 def explain(level: Level) -> str:
     """EXPLAIN ANALYZE of the per-task statements at the largest size (rolled back)."""
     from sqlalchemy import create_engine, text
 
-    from celery_lease import db as q
+    from celery_lease.sql.dialects import rendered
 
     assert level.pg_url
     engine = create_engine(level.pg_url)
-    fmt = {
-        "now": q.NOW["postgresql"],
-        "keys": ":k0",
-        "set": getattr(q, "RESULT_RELEASE_SET", "expires_at = :now"),
-        "for_update": "FOR UPDATE",
-        "result": "CAST(:result AS jsonb)",
-        "once_guard": "",
-    }
+    statements = dict(rendered("postgresql"))
     live = "growth-500"
     parts = [
         f"<details><summary>EXPLAIN ANALYZE of the per-task statements on PostgreSQL with "
         f"{level.n:,} live leases, fence rows and accepted results (run in a transaction, "
         "rolled back)</summary>\n"
     ]
-    summary = Table(["statement (celery_lease/db.py)", "step", "indexes used", "sequential scans"],
+    summary = Table(["statement (celery_lease/sql)", "step", "indexes used", "sequential scans"],
                     align="llll")  # fmt: skip
     any_seq = False
     for name, what, which in EXPLAINED:
-        sql = getattr(q, name, None)
-        if sql is None:
+        statement = statements.get(name)
+        if statement is None:
             continue
-        if name in BUILT:
-            sql = sql(**BUILT[name])
         key = live if which == "live" else "fresh-explain-key"
         params: dict[str, Any] = {
             "key": key, "k0": key, "ttl": TTL, "token": 1,
@@ -365,7 +347,6 @@ def explain(level: Level) -> str:
             "tenant": None, "once": True, "register": True, "now": time.time(),
             "result": '{"ok": true}', "keys": [key], "n": 1,
         }  # fmt: skip
-        statement = sql if name in BUILT else sql.format(**fmt)
         needed = set(re.findall(r"(?<!:):(\w+)", statement))
         try:
             with engine.connect() as conn:

@@ -513,18 +513,19 @@ def _ladder(env: Env, group: str, redis_db: int, pg_url: str | None) -> list[Con
         import psycopg
         from sqlalchemy import create_engine, text
 
-        from celery_lease import db as q
+        from celery_lease.sql import queries as q
+        from celery_lease.sql.dialects import PG_RELEASE_ONE_PY
 
         dsn = env.pg_dsn(pg_url.rsplit("/", 1)[1])
         conn = psycopg.connect(dsn, autocommit=True)
-        claim_sql = _pyformat(q.PG_CLAIM_ONE)
-        release_sql = _pyformat(q.RELEASE_IN.format(now=q.NOW["postgresql"], keys=":k0"))
+        claim_sql = q.PG_CLAIM_ONE_PY
+        release_sql = PG_RELEASE_ONE_PY
         meta = {"task_id": None, "task_name": None, "root_id": None, "tenant": None}
 
         def product_sql(key: str) -> None:
             row = conn.execute(claim_sql, {"key": key, "owner_id": OWNER, "ttl": TTL, **meta})
             token = row.fetchone()[0]  # type: ignore[index]
-            conn.execute(release_sql, {"k0": key, "owner_id": OWNER, "token": token}).fetchall()
+            conn.execute(release_sql, {"key": key, "owner_id": OWNER, "token": token}).fetchall()
 
         engine = create_engine(pg_url).execution_options(isolation_level="AUTOCOMMIT")
         raw_claim = text(PG_RAW_CLAIM.replace("%s", ":p").replace(":p", ":k", 1)

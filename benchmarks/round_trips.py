@@ -145,7 +145,7 @@ def run(env: Env) -> Section:
             "trips; commands a Lua script runs inside Redis are counted apart, and `INFO "
             "commandstats` (total calls, which includes the commands inside scripts) is "
             "shown as well. PostgreSQL: round trips counted where they are sent, in "
-            "celery-lease's driver layer (`celery_lease.db.PG_TRAFFIC`), because pipelining "
+            "celery-lease's driver layer (`celery_lease.sql.PG_TRAFFIC`), because pipelining "
             "sends several statements per round trip; the statements the server ran "
             "(`pg_stat_statements` calls in the result/lease database, `BEGIN` and `COMMIT` "
             "included) are shown beside them. SQLite has no server: the store round trips "
@@ -226,7 +226,7 @@ def run(env: Env) -> Section:
             if rows:
                 detail.append(
                     f"**{k.label}**, worker and publish side (per task; statements named by "
-                    "their constant in `celery_lease/db.py`):\n\n"
+                    "their name in `celery_lease/sql/`):\n\n"
                     "| server | command / statement | per task |\n|---|---|---:|\n"
                     + "\n".join(rows)
                 )
@@ -236,8 +236,8 @@ def run(env: Env) -> Section:
     section.add("\n".join(f"- {v}" for v in verdicts))
     if breakdown:
         section.add(
-            "Where the round trips go (per task; statements named by their constant in "
-            "`celery_lease/db.py`, Redis scripts by their name in "
+            "Where the round trips go (per task; statements named by their name in "
+            "`celery_lease/sql/`, Redis scripts by their name in "
             "`celery_lease/stores/redis.py`):\n\n" + "\n".join(f"- {b}" for b in breakdown)
         )
     if detail:

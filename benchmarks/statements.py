@@ -117,7 +117,7 @@ def _sqlite(env: Env, n: int, rounds: int, plain_prefork: float) -> str:
     from sqlalchemy.engine import Engine
 
     from benchmarks import benchapp
-    from celery_lease import db as q
+    from celery_lease.sql import driver as q
 
     url = env.sqlite_url("stmtcost")
     ours_path = url.removeprefix("sqlite:///")
@@ -168,7 +168,8 @@ def _sqlite(env: Env, n: int, rounds: int, plain_prefork: float) -> str:
         f"asleep in SQLite's busy handler (which sleeps 1, 2, 5, 10 … ms between attempts)."
         + (
             f" At 0.8\u00d7 of plain's prefork drain rate in this run ({0.8 * plain_prefork:,.0f} "
-            f"tasks/s), the write lock would be held up to {0.8 * plain_prefork * ours_us / 1e6:.0%} "
+            f"tasks/s), the write lock would be held up to "
+            f"{0.8 * plain_prefork * ours_us / 1e6:.0%} "
             f"of every second by celery-lease's transactions, against "
             f"{0.8 * plain_prefork * floor_us / 1e6:.0%} by the floor's."
             if plain_prefork == plain_prefork

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from celery_lease.db import migrate
 from celery_lease.exceptions import (
     DuplicateResult,
     KeyLimitExceeded,
@@ -20,6 +19,7 @@ from celery_lease.exceptions import (
     StoreUnavailable,
 )
 from celery_lease.renewal import HeldLease
+from celery_lease.sql.migrate import migrate
 from celery_lease.stores.base import Lease, LeaseRecord, LeaseStore
 
 if TYPE_CHECKING:

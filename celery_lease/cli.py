@@ -221,7 +221,7 @@ def release(ctx: click.Context, key: str, tenant: str | None, force: bool, as_js
 @_errors
 def migrate(ctx: click.Context) -> None:
     """Create or upgrade celery-lease's tables (leases, results, fences)."""
-    from celery_lease.db import migrate as run_migrations
+    from celery_lease.sql.migrate import migrate as run_migrations
 
     cfg = config(ctx.obj.app)
     urls = [cfg.result_url]

@@ -44,12 +44,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection
 
-from celery_lease import db as q
 from celery_lease.exceptions import LeaseConfigError, StaleFencingToken
 from celery_lease.local import LocalLease
 from celery_lease.renewal import HeldLease
+from celery_lease.sql.ops import fence_current, register_fence
 from celery_lease.stores.base import Lease, LeaseStore
 
 __all__ = ["current", "guard", "headers"]
@@ -94,20 +94,11 @@ def guard(
         raise LeaseConfigError(f"a fenced resource is a non-empty string, got {resource!r}")
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise LeaseConfigError(f"a fencing token is a non-negative integer, got {value!r}")
-    now = q.NOW.get(connection.dialect.name)
-    if now is None:
-        raise LeaseConfigError(
-            f"fencing.guard supports PostgreSQL and SQLite, not {connection.dialect.name!r}"
-        )
-    row = connection.execute(
-        text(q.GUARD.format(now=now)), {"resource": resource, "token": value}
-    ).first()
-    if row is None:
-        newest = connection.execute(text(q.GUARD_CURRENT), {"resource": resource}).scalar()
+    if not register_fence(connection, resource, value):
         raise StaleFencingToken(
             resource,
             value,
-            None if newest is None else int(newest),
+            fence_current(connection, resource),
             "a newer token has written to this resource",
         )
     if lease is not None:
@@ -148,8 +139,7 @@ def _still_granted(resource: str, lease: Lease, store: LeaseStore, held: HeldLea
 
 def current(connection: Connection, resource: str) -> int | None:
     """The newest token seen for ``resource``, or None."""
-    v = connection.execute(text(q.GUARD_CURRENT), {"resource": resource}).scalar()
-    return None if v is None else int(v)
+    return fence_current(connection, resource)
 
 
 class _Fenced(Protocol):

@@ -57,7 +57,6 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from celery_lease import db as q
 from celery_lease.exceptions import (
     DuplicateResult,
     LeaseConfigError,
@@ -68,6 +67,9 @@ from celery_lease.exceptions import (
     StoreUnavailable,
 )
 from celery_lease.keys import INTERNAL_PREFIX, shorten
+from celery_lease.sql import Conn, database
+from celery_lease.sql import queries as q
+from celery_lease.sql.dialects import PG_REGISTER_FENCE_PY, key_params
 from celery_lease.stores.base import (
     Lease,
     LeaseStore,
@@ -175,7 +177,7 @@ class ResultTable:
         *,
         max_bytes: int | None = None,
     ) -> None:
-        self.db = q.database(url)
+        self.db = database(url)
         self.db.ensure_schema()
         self.url = self.db.url
         self.store = store
@@ -183,15 +185,6 @@ class ResultTable:
         from celery_lease.stores.sql import SQLLeaseStore
 
         self.colocated = isinstance(store, SQLLeaseStore) and store.db is self.db
-        #: RESULT_INSERT for this database, by once mode.
-        self._insert_sql = {
-            once: q.RESULT_INSERT.format(
-                result=":result" if self.db.is_sqlite else "CAST(:result AS jsonb)",
-                now=self.db.now_sql,
-                once_guard=q.RESULT_ONCE_GUARD if once else "",
-            )
-            for once in (True, False)
-        }
 
     # -- before the body ---------------------------------------------------
 
@@ -210,11 +203,10 @@ class ResultTable:
             return
         params = {"key": lease.key, "token": lease.token}
         if self.db.is_sqlite:
-            stmt = q.stmt(q.RESULT_REGISTER.format(now=self.db.now_sql))
             with self.db.single() as conn:
-                row = conn.execute(stmt, params).first()
+                row = conn.execute(self.db.sql.register_fence, params).first()
         else:
-            row = self.db.pg_first(q.PG_RESULT_REGISTER_PY, params)
+            row = self.db.pg_first(PG_REGISTER_FENCE_PY, params)
         if row is None:
             raise StaleFencingToken(
                 lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
@@ -245,7 +237,7 @@ class ResultTable:
             primary, keys = normalize_keys(key)
             if len(keys) == 1:
                 # One key: the claim and the look-ups in one server-side call
-                # (celery_lease_claim_lookup, migration 0002), the look-ups
+                # (queries.CLAIM_LOOKUP_FN, sql/functions.py), the look-ups
                 # reading a snapshot taken after the claim's lock waits.
                 ttl, checked = check_ttl(ttl), check_meta(meta)
                 params = claim_params(primary, owner_id, ttl, checked)
@@ -288,7 +280,7 @@ class ResultTable:
         the wait sees the accepted row (one statement would read the results
         with a snapshot taken before the wait, and run an accepted task again).
         On PostgreSQL, with leases elsewhere, both run in one server-side call
-        (``celery_lease_register_lookup``, migration 0002: two statements, two
+        (``queries.REGISTER_LOOKUP_FN``, sql/functions.py: two statements, two
         snapshots), one round trip.
         """
         params = {"key": lease.key, "token": lease.token, "task_id": task_id, "once": once}
@@ -304,7 +296,7 @@ class ResultTable:
             return self._prepared(task_token, duplicate_token)
         statements = [(q.PREPARE_LOOKUP, params)]
         if not self.colocated:
-            statements.insert(0, (q.RESULT_REGISTER.format(now=self.db.now_sql), params))
+            statements.insert(0, (self.db.sql.register_fence, params))
         with self.db.single() as conn:
             out = conn.pipeline(*statements)
         row = out[-1].one()
@@ -382,7 +374,7 @@ class ResultTable:
         )
 
     def _insert(
-        self, conn: q.Conn, row: dict[str, Any], once: bool, *, commit: bool = False
+        self, conn: Conn, row: dict[str, Any], once: bool, *, commit: bool = False
     ) -> float:
         """Insert the result row (the caller holds the key's lock); its accepted_at.
 
@@ -393,16 +385,16 @@ class ResultTable:
         an accepted row for the key, or this very commit was accepted earlier
         (``commit()`` tells the two apart).
         """
-        sql = self._insert_sql[once]
+        sql = self.db.sql.result_insert[once]
         inserted = conn.commit_after(sql, row) if commit else conn.execute(sql, row)
         accepted_at = inserted.scalar()
         if accepted_at is None:
-            duplicate = conn.execute(q.stmt(q.RESULT_DUPLICATE), {"key": row["key"]}).scalar()
+            duplicate = conn.execute(q.RESULT_DUPLICATE, {"key": row["key"]}).scalar()
             raise DuplicateResult(row["key"], None if duplicate is None else int(duplicate))
         return float(accepted_at)
 
-    def _now(self, conn: q.Conn) -> float:
-        return float(conn.exec_driver_sql(q.SELECT_NOW.format(now=self.db.now_sql)).scalar_one())
+    def _now(self, conn: Conn) -> float:
+        return conn.now()
 
     def _commit_colocated(
         self, lease: Lease, row: dict[str, Any], mode: str, release: bool
@@ -411,10 +403,10 @@ class ResultTable:
         if not self.db.is_sqlite:
             n = len(lease.keys)
             if n == 1:
-                out = self.db.pg_first(q.PG_COMMIT_PY[release, once, True], row)
+                out = self.db.pg_first(q.PG_COMMIT_COLOCATED_PY[release, once, True], row)
             else:
                 params = {**row, "keys": list(lease.keys), "n": n}
-                out = self.db.pg_first(q.PG_COMMIT_PY[release, once, False], params)
+                out = self.db.pg_first(q.PG_COMMIT_COLOCATED_PY[release, once, False], params)
             if out is None:  # never: the statement selects one row of scalars
                 raise LeaseError("expected exactly one row, the database returned 0")
             owned, duplicate_token, accepted = out
@@ -430,13 +422,8 @@ class ResultTable:
                     lease.key, None if duplicate_token is None else int(duplicate_token)
                 )
             return float(accepted)
-        placeholders, names = q.in_list("k", len(lease.keys))
-        own = q.stmt(
-            q.RESULT_OWN_LEASE.format(
-                set=q.RESULT_RELEASE_SET if release else q.RESULT_KEEP_SET, keys=placeholders
-            )
-        )
-        params = dict(zip(names, lease.keys))
+        own = self.db.sql.result_own_lease(release, len(lease.keys))
+        params = key_params(lease.keys)
         params.update(owner_id=lease.owner_id, token=lease.token)
         duplicate: DuplicateResult | None = None
         with self.db.transaction() as conn:
@@ -461,8 +448,7 @@ class ResultTable:
     def _commit_remote(self, lease: Lease, row: dict[str, Any], mode: str, release: bool) -> float:
         if self.store is None:
             raise LeaseConfigError("a ResultTable needs the lease store to commit leases from it")
-        for_update = "" if self.db.is_sqlite else "FOR UPDATE"
-        lock = q.stmt(q.RESULT_LOCK_FENCE.format(for_update=for_update))
+        lock = self.db.sql.lock_fence
         released = False
         try:
             with self.db.transaction() as conn:
@@ -470,7 +456,7 @@ class ResultTable:
                 if fence is None or int(fence) < lease.token:
                     # Never registered (or registration lost): register now, under the lock.
                     conn.execute(
-                        q.stmt(q.RAISE_FENCE),
+                        q.RAISE_FENCE,
                         {"key": lease.key, "token": lease.token, "now": self._now(conn)},
                     )
                     conn.execute(lock, {"key": lease.key}).scalar()
@@ -517,16 +503,14 @@ class ResultTable:
         Used after a force release, so the evicted owner's guarded writes are refused.
         """
         with self.db.transaction() as conn:
-            conn.execute(
-                q.stmt(q.RAISE_FENCE), {"key": key, "token": token, "now": self._now(conn)}
-            )
+            conn.execute(q.RAISE_FENCE, {"key": key, "token": token, "now": self._now(conn)})
 
     # -- reading -----------------------------------------------------------
 
     def fence(self, key: str) -> int | None:
         """The token registered in this database's fence row for ``key``."""
         with self.db.single() as conn:
-            v = conn.execute(q.stmt(q.GUARD_CURRENT), {"resource": key}).scalar()
+            v = conn.execute(q.FENCE_CURRENT, {"key": key}).scalar()
         return None if v is None else int(v)
 
     def get(self, key: str, token: int) -> AcceptedResult | None:
@@ -549,13 +533,13 @@ class ResultTable:
         """Accepted results for ``key``, newest first."""
         with self.db.single() as conn:
             rows = conn.execute(
-                q.stmt(q.RESULT_HISTORY), {"key": shorten(key), "tenant": tenant, "limit": limit}
+                q.RESULT_HISTORY, {"key": shorten(key), "tenant": tenant, "limit": limit}
             ).all()
         return [self._result(r) for r in rows]
 
     def _one(self, sql: str, params: Mapping[str, Any]) -> AcceptedResult | None:
         with self.db.single() as conn:
-            row = conn.execute(q.stmt(sql), dict(params)).first()
+            row = conn.execute(sql, dict(params)).first()
         return None if row is None else self._result(row)
 
     def _result(self, row: Any) -> AcceptedResult:
@@ -614,13 +598,13 @@ class ResultTable:
             swept_results = 0
             if result_expires is not None:
                 swept_results = conn.execute(
-                    q.stmt(q.SWEEP_RESULTS), {"cutoff": now - result_expires}
+                    q.SWEEP_RESULTS, {"cutoff": now - result_expires}
                 ).rowcount
             cutoff = now - lease_grace
             internal = {"internal": INTERNAL_PREFIX, "internal_len": len(INTERNAL_PREFIX)}
-            conn.execute(q.stmt(q.SWEEP_KEEP_FENCES), {"cutoff": cutoff, "now": now, **internal})
-            conn.execute(q.stmt(q.SWEEP_INTERNAL_FENCES), {"cutoff": cutoff, **internal})
-            swept_leases = conn.execute(q.stmt(q.SWEEP_LEASES), {"cutoff": cutoff}).rowcount
+            conn.execute(q.SWEEP_KEEP_FENCES, {"cutoff": cutoff, "now": now, **internal})
+            conn.execute(q.SWEEP_INTERNAL_FENCES, {"cutoff": cutoff, **internal})
+            swept_leases = conn.execute(q.SWEEP_LEASES, {"cutoff": cutoff}).rowcount
         logger.info(
             "swept",
             extra={"action": "sweep", "results": swept_results, "leases": swept_leases},

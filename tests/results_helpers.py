@@ -22,8 +22,8 @@ from sqlalchemy import text
 
 import celery_lease
 from celery_lease import Lease, LeaseRecord, LeaseStore
-from celery_lease import db as q
 from celery_lease.results import ResultTable
+from celery_lease.sql import database
 from tests.servers import wait_for
 
 __all__ = [
@@ -119,7 +119,7 @@ def wait_until_expired(
 
 def result_rows(url: str, key: str) -> list[tuple[int, int, str | None]]:
     """``(id, fencing_token, owner_id)`` of every result row for ``key``, in insert order."""
-    db = q.database(url)
+    db = database(url)
     with db.single() as conn:
         rows = conn.execute(
             text(

@@ -1,12 +1,13 @@
 """Alembic migrations: applied, checked against the models, undone, packaged.
 
 Every test gets a fresh database: a new PostgreSQL database on the session's
-private cluster, or a new SQLite file. ``celery_lease.db.check`` is
+private cluster, or a new SQLite file. ``celery_lease.sql.migrate.check`` is
 ``alembic check``: it compares the live schema with ``celery_lease.schema``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -15,6 +16,7 @@ import textwrap
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -26,8 +28,10 @@ from sqlalchemy.pool import NullPool
 
 import celery_lease
 import celery_lease.schema
-from celery_lease import db as q
 from celery_lease.schema import VERSION_TABLE, metadata
+from celery_lease.sql import database, functions
+from celery_lease.sql import migrate as q
+from celery_lease.sql.queries import CLAIM_LOOKUP_FN, REGISTER_LOOKUP_FN
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,7 +56,7 @@ def fresh_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     name = f"test_migrations_{uuid.uuid4().hex[:10]}"
     url: str = server.create_database(name)
     yield url
-    q.database(url).dispose()
+    database(url).dispose()
     server.drop_database(name)
 
 
@@ -171,13 +175,43 @@ def test_a_postgresql_database_one_revision_behind_says_to_migrate(fresh_url: st
     claim = {"ttl": 30, "owner_id": "w", "meta": {}, "task_id": "t1", "once": False}
     with pytest.raises(LeaseConfigError, match="lease migrate"):
         table.claim_prepared("behind", **claim)
-    celery_lease.migrate(fresh_url)
+    celery_lease.migrate(fresh_url, "0002")  # the unversioned functions: still behind
     assert our_functions(fresh_url) == {"celery_lease_claim_lookup", "celery_lease_register_lookup"}
+    with pytest.raises(LeaseConfigError, match="lease migrate"):
+        table.claim_prepared("behind", **claim)
+    celery_lease.migrate(fresh_url)
+    assert our_functions(fresh_url) == {CLAIM_LOOKUP_FN, REGISTER_LOOKUP_FN}
     lease, prepared = table.claim_prepared("behind", **claim)
     assert lease is not None and prepared is not None and prepared.task_token is None
+    q.downgrade(fresh_url, "0002")
+    assert our_functions(fresh_url) == {"celery_lease_claim_lookup", "celery_lease_register_lookup"}
     q.downgrade(fresh_url, "0001")
     assert our_functions(fresh_url) == set()
     store.close()
+
+
+def _migration(name: str) -> Any:
+    path = ROOT / "migrations" / "versions" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_migration_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _words(sql: str) -> list[str]:
+    return sql.split()
+
+
+def test_the_migrations_function_texts_are_the_packages() -> None:
+    """The functions the per-task path calls by name are the ones the migration
+    created: its frozen texts are celery_lease.sql.functions' (whitespace aside),
+    so an edit of either without a new versioned function fails here."""
+    m = _migration("0003_versioned_functions")
+    assert _words(m.CREATE_CLAIM_LOOKUP) == _words(functions.CREATE_CLAIM_LOOKUP)
+    assert _words(m.CREATE_REGISTER_LOOKUP) == _words(functions.CREATE_REGISTER_LOOKUP)
+    assert f"FUNCTION {CLAIM_LOOKUP_FN}(" in m.CREATE_CLAIM_LOOKUP
+    assert f"FUNCTION {REGISTER_LOOKUP_FN}(" in m.CREATE_REGISTER_LOOKUP
 
 
 def test_check_catches_a_column_dropped_by_hand(fresh_url: str) -> None:
@@ -207,7 +241,7 @@ def test_check_catches_models_that_disagree_with_the_migrations(
         assert compare_metadata(ctx, metadata) == []
     engine.dispose()
     assert [(d[0], d[3].name) for d in diff] == [("add_column", "region")], diff
-    # And `alembic check` itself (what celery_lease.db.check runs) fails on it.
+    # And `alembic check` itself (what celery_lease.sql.migrate.check runs) fails on it.
     monkeypatch.setattr(celery_lease.schema, "metadata", changed)
     with pytest.raises(CommandError, match=r"add_column|upgrade operations"):
         q.check(fresh_url)
@@ -263,7 +297,7 @@ INSTALLED_SCRIPT = textwrap.dedent(
     """
     import json, sys
     import celery_lease
-    from celery_lease import db
+    from celery_lease.sql import migrate as db
     from importlib import resources
     out = {"file": celery_lease.__file__,
            "migrations": [p.name for p in resources.files("celery_lease.migrations")

@@ -25,8 +25,9 @@ from typing import Any
 
 import pytest
 
-from celery_lease import db as q
 from celery_lease.results import Prepared
+from celery_lease.sql import database
+from celery_lease.sql import queries as q
 from tests.results_helpers import PAIRINGS, Pairing, make_pairing, new_key, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -76,7 +77,7 @@ def test_the_look_up_finds_an_accepted_task_and_a_duplicate_key(
 
 
 def waiting_on_a_lock(url: str) -> bool:
-    with q.database(url).single() as conn:
+    with database(url).single() as conn:
         n = conn.execute(
             "SELECT count(*) FROM pg_stat_activity "
             "WHERE wait_event_type = 'Lock' AND datname = current_database()"
@@ -118,18 +119,14 @@ def test_a_copy_claiming_during_the_commit_sees_the_accepted_row(
     # The owner's commit, held open: the same statements as ResultTable.commit.
     with db.transaction() as conn:
         if kind == "pg+pg":
-            sql = q.pg_commit_colocated(release=True, once=False, one_key=True)
+            sql = q.PG_COMMIT_COLOCATED[True, False, True]  # release, not once, one key
             out = conn.execute(sql, row).one()
             assert out.owned == 1 and out.accepted_at is not None
         else:
-            fence = conn.execute(
-                q.RESULT_LOCK_FENCE.format(for_update="FOR UPDATE"), {"key": lease.key}
-            ).scalar()
+            fence = conn.execute(db.sql.lock_fence, {"key": lease.key}).scalar()
             assert fence == lease.token  # registered at the claim
             assert p.store.release(lease)  # the key is free in the store now...
-            sql = q.RESULT_INSERT.format(
-                result="CAST(:result AS jsonb)", now=db.now_sql, once_guard=""
-            )
+            sql = db.sql.result_insert[False]
             assert conn.execute(sql, row).scalar() is not None
         thread.start()
         # ...and the copy is stuck on this transaction's lock, not finished.

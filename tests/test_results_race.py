@@ -47,8 +47,8 @@ import pytest
 from sqlalchemy import text
 
 from celery_lease import DuplicateResult, LeaseStore, StaleFencingToken
-from celery_lease import db as q
 from celery_lease.results import MODES, ResultTable
+from celery_lease.sql import database
 from tests.results_helpers import Pairing, make_pairing, new_key, wait_for
 
 PROCESSES = 8
@@ -189,7 +189,7 @@ def read_logs(paths: list[Path]) -> tuple[dict[int, dict[str, Any]], dict[int, d
 
 
 def table_rows(url: str, key: str) -> list[dict[str, Any]]:
-    with q.database(url).single() as conn:
+    with database(url).single() as conn:
         rows = conn.execute(
             text(
                 "SELECT id, fencing_token, owner_id, accepted_at FROM celery_lease_results "

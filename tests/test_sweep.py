@@ -21,8 +21,8 @@ from sqlalchemy import text
 
 import celery_lease
 from celery_lease import DuplicateResult, LeaseStore, StaleFencingToken
-from celery_lease import db as q
 from celery_lease.results import ResultTable
+from celery_lease.sql import database
 from tests.results_helpers import new_key, result_rows, wait_for, wait_until_expired
 
 LONG_TTL = 30.0
@@ -59,7 +59,7 @@ def sql(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SQL]:
 
 
 def lease_row_exists(url: str, key: str) -> bool:
-    with q.database(url).single() as conn:
+    with database(url).single() as conn:
         n = conn.execute(
             text("SELECT count(*) FROM celery_lease_leases WHERE lease_key = :k"), {"k": key}
         ).scalar_one()
@@ -67,7 +67,7 @@ def lease_row_exists(url: str, key: str) -> bool:
 
 
 def fence_row(url: str, key: str) -> int | None:
-    with q.database(url).single() as conn:
+    with database(url).single() as conn:
         v = conn.execute(
             text("SELECT fencing_token FROM celery_lease_fences WHERE resource = :k"), {"k": key}
         ).scalar()
@@ -152,7 +152,7 @@ def test_sweep_restores_a_missing_or_lower_fence_from_the_lease_row(sql: SQL) ->
             lease = store.claim(key, ttl=LONG_TTL)
             assert lease is not None and store.release(lease)
             leases[key] = lease
-    with q.database(sql.url).transaction() as conn:
+    with database(sql.url).transaction() as conn:
         conn.execute(text("DELETE FROM celery_lease_fences WHERE resource = :k"), {"k": missing})
         conn.execute(
             text("UPDATE celery_lease_fences SET fencing_token = 1 WHERE resource = :k"),

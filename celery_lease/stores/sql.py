@@ -22,8 +22,10 @@ import builtins
 from collections.abc import Mapping
 from typing import Any
 
-from celery_lease import db as q
 from celery_lease.exceptions import StoreUnavailable
+from celery_lease.sql import Conn, Rows, database
+from celery_lease.sql import queries as q
+from celery_lease.sql.dialects import PG_RELEASE_ONE_PY, key_params
 from celery_lease.stores.base import (
     META_FIELDS,
     Lease,
@@ -78,7 +80,7 @@ class SQLLeaseStore(LeaseStore):
         )
 
     def __init__(self, url: str, **options: Any) -> None:
-        self.db = q.database(url)
+        self.db = database(url)
         self.url = self.db.url
         self.server_clock = not self.db.is_sqlite
         self.db.ensure_schema()
@@ -93,7 +95,7 @@ class SQLLeaseStore(LeaseStore):
         ttl: float,
         owner_id: str,
         meta: dict[str, str | None] | None = None,
-    ) -> tuple[Lease | None, q.Rows | None]:
+    ) -> tuple[Lease | None, Rows | None]:
         """:meth:`claim`, then one statement of the caller's (``:key`` bound to
         ``Lease.key``) in the claim's transaction; its rows, or None when
         nothing was granted.
@@ -147,7 +149,7 @@ class SQLLeaseStore(LeaseStore):
         params: dict[str, Any],
         meta: dict[str, str],
         then: tuple[str, dict[str, Any]] | None = None,
-    ) -> tuple[Lease | None, q.Rows | None]:
+    ) -> tuple[Lease | None, Rows | None]:
         for attempt in range(_RETRIES):
             try:
                 with self.db.transaction() as conn:
@@ -162,23 +164,21 @@ class SQLLeaseStore(LeaseStore):
 
     def _claim_txn(
         self,
-        conn: q.Conn,
+        conn: Conn,
         primary: str,
         keys: tuple[str, ...],
         params: dict[str, Any],
         meta: dict[str, str],
     ) -> Lease | None:
+        sql = self.db.sql
+        binds = key_params(keys)
         if self.db.is_sqlite:
-            placeholders, names = q.in_list("k", len(keys))
-            binds = dict(zip(names, keys))
-            fences = conn.execute(q.stmt(q.SELECT_FENCES_IN.format(keys=placeholders)), binds).all()
+            fences = conn.execute(sql.select_fences_in(len(keys)), binds).all()
         else:
-            conn.execute(q.stmt(q.PG_ENSURE_FENCES), {"keys": list(keys)})
-            fences = conn.execute(q.stmt(q.PG_LOCK_FENCES), {"keys": list(keys)}).all()
-            placeholders, names = q.in_list("k", len(keys))
-            binds = dict(zip(names, keys))
-        now = float(conn.exec_driver_sql(q.SELECT_NOW.format(now=self.db.now_sql)).scalar_one())
-        rows = conn.execute(q.stmt(q.SELECT_LEASES_IN.format(keys=placeholders)), binds).all()
+            conn.execute(q.PG_ENSURE_FENCES, {"keys": list(keys)})
+            fences = conn.execute(q.PG_LOCK_FENCES, {"keys": list(keys)}).all()
+        now = conn.now()
+        rows = conn.execute(sql.select_leases_in(len(keys)), binds).all()
         owner_id = params["owner_id"]
         for row in rows:
             if row.owner_id is not None and row.expires_at > now and row.owner_id != owner_id:
@@ -189,14 +189,14 @@ class SQLLeaseStore(LeaseStore):
         for key in keys:
             granted += len(
                 conn.execute(
-                    q.stmt(q.UPSERT_LEASE), {**params, "key": key, "token": token, "now": now}
+                    q.UPSERT_LEASE, {**params, "key": key, "token": token, "now": now}
                 ).all()
             )
         if granted != len(keys):
             conn.rollback()
             return None
         for key in keys:
-            conn.execute(q.stmt(q.RAISE_FENCE), {"key": key, "token": token, "now": now})
+            conn.execute(q.RAISE_FENCE, {"key": key, "token": token, "now": now})
         ttl = float(params["ttl"])
         return Lease(primary, keys, owner_id, token, now + ttl, now, ttl, meta)
 
@@ -210,8 +210,7 @@ class SQLLeaseStore(LeaseStore):
             with self.db.transaction() as conn:
                 now = self._now(conn)
                 for lease, ttl in zip(leases, ttls):
-                    placeholders, names = q.in_list("k", len(lease.keys))
-                    params: dict[str, Any] = dict(zip(names, lease.keys))
+                    params: dict[str, Any] = key_params(lease.keys)
                     params.update(
                         owner_id=lease.owner_id,
                         token=lease.token,
@@ -219,7 +218,7 @@ class SQLLeaseStore(LeaseStore):
                         now=now,
                         n=len(lease.keys),
                     )
-                    for row in conn.execute(q.RENEW_LEASE.format(keys=placeholders), params):
+                    for row in conn.execute(self.db.sql.renew_lease(len(lease.keys)), params):
                         renewed[(row.lease_key, lease.owner_id, lease.token)] = float(
                             row.expires_at
                         )
@@ -239,7 +238,7 @@ class SQLLeaseStore(LeaseStore):
                     cols["tokens"].append(lease.token)
                     cols["ttls"].append(ttl)
             with self.db.single() as conn:
-                for row in conn.execute(q.stmt(q.PG_RENEW_MANY), cols):
+                for row in conn.execute(q.PG_RENEW_MANY, cols):
                     renewed[(row.lease_key, row.owner_id, int(row.fencing_token))] = float(
                         row.expires_at
                     )
@@ -254,11 +253,10 @@ class SQLLeaseStore(LeaseStore):
         if len(keys) == 1 and not self.db.is_sqlite:
             # The common case, kept thin: one key, one statement, its row count.
             one = {"key": keys[0], "owner_id": lease.owner_id, "token": lease.token}
-            return self.db.pg_count(q.PG_RELEASE_ONE_PY, one) == 1
-        placeholders, names = q.in_list("k", len(lease.keys))
-        params: dict[str, Any] = dict(zip(names, lease.keys))
+            return self.db.pg_count(PG_RELEASE_ONE_PY, one) == 1
+        params: dict[str, Any] = key_params(lease.keys)
         params.update(owner_id=lease.owner_id, token=lease.token)
-        stmt = q.stmt(q.RELEASE_IN.format(now=self.db.now_sql, keys=placeholders))
+        stmt = self.db.sql.release_in(len(lease.keys))
         with self.db.single() as conn:
             released = len(conn.execute(stmt, params).all())
         return released == len(lease.keys)
@@ -267,7 +265,7 @@ class SQLLeaseStore(LeaseStore):
 
     def do_inspect(self, key: str) -> LeaseRecord | None:
         with self.db.read() as conn:
-            row = conn.execute(q.stmt(q.INSPECT.format(now=self.db.now_sql)), {"key": key}).one()
+            row = conn.execute(self.db.sql.inspect, {"key": key}).one()
         if row.lease_key is None:
             if row.fence is None:
                 return None
@@ -278,7 +276,7 @@ class SQLLeaseStore(LeaseStore):
         pattern = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
         with self.db.single() as conn:
             rows = conn.execute(
-                q.stmt(q.LIST.format(now=self.db.now_sql)), {"pattern": pattern, "expired": expired}
+                self.db.sql.list_leases, {"pattern": pattern, "expired": expired}
             ).all()
         # SQLite's LIKE ignores ASCII case: keep only the literal prefix matches.
         return [_record(r) for r in rows if r.lease_key.startswith(prefix)]
@@ -288,29 +286,27 @@ class SQLLeaseStore(LeaseStore):
         with self.db.transaction() as conn:
             if not self.db.is_sqlite:
                 # The fence row lock orders this against claims of the key.
-                conn.execute(q.stmt(q.PG_ENSURE_FENCES), {"keys": [key]})
-                conn.execute(q.stmt(q.PG_LOCK_FENCES), {"keys": [key]})
+                conn.execute(q.PG_ENSURE_FENCES, {"keys": [key]})
+                conn.execute(q.PG_LOCK_FENCES, {"keys": [key]})
             now = self._now(conn)
-            fence = int(conn.execute(q.stmt(q.FENCE_TOKEN), {"key": key}).scalar_one())
+            fence = int(conn.execute(q.FENCE_TOKEN, {"key": key}).scalar_one())
             if token is None:
-                conn.execute(q.stmt(q.EVICT), {"key": key, "now": now})
-            elif not conn.execute(
-                q.stmt(q.EVICT_TOKEN), {"key": key, "token": token, "now": now}
-            ).rowcount:
+                conn.execute(q.EVICT, {"key": key, "now": now})
+            elif not conn.execute(q.EVICT_TOKEN, {"key": key, "token": token, "now": now}).rowcount:
                 conn.rollback()  # not that token's lease (any more): nothing changes
                 return None
-            conn.execute(q.stmt(q.RAISE_FENCE), {"key": key, "token": fence + 1, "now": now})
+            conn.execute(q.RAISE_FENCE, {"key": key, "token": fence + 1, "now": now})
         return before if before is not None and before.live else None
 
     def do_fence_token(self, key: str) -> int:
         with self.db.single() as conn:
-            return int(conn.execute(q.stmt(q.FENCE_TOKEN), {"key": key}).scalar_one())
+            return int(conn.execute(q.FENCE_TOKEN, {"key": key}).scalar_one())
 
     def do_time(self) -> float:
         return self.db.now()
 
-    def _now(self, conn: q.Conn) -> float:
-        return float(conn.exec_driver_sql(q.SELECT_NOW.format(now=self.db.now_sql)).scalar_one())
+    def _now(self, conn: Conn) -> float:
+        return conn.now()
 
     def close(self) -> None:
         self.db.dispose()

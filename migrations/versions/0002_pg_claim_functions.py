@@ -12,8 +12,9 @@ function takes a fresh snapshot for each statement it runs. One prepared
 call, one round trip, where a client-side pipeline cost more than the round
 trip it saved.
 
-``celery_lease_claim_lookup``'s claim is ``db.PG_CLAIM_ONE`` (keep the two
-the same; change both with a new migration). SQLite has no functions here:
+``celery_lease_claim_lookup``'s claim was the client's single-key claim
+(``PG_CLAIM_ONE``); migration 0003 replaces both functions with versioned
+ones rendered from the same templates as the client statements. SQLite has no functions here:
 it runs the claim and the look-up in one ``BEGIN IMMEDIATE`` transaction.
 
 Revision ID: 0002
@@ -32,7 +33,7 @@ depends_on = None
 
 NOW = "extract(epoch FROM clock_timestamp())::double precision"
 
-#: The look-ups of db.PREPARE_LOOKUP, on the function's arguments.
+#: The look-ups of PREPARE_LOOKUP, on the function's arguments.
 LOOKUPS = """
         (SELECT r.fencing_token FROM celery_lease_results AS r WHERE r.task_id = p_task_id
          ORDER BY r.fencing_token DESC LIMIT 1),

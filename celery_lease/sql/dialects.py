@@ -1,0 +1,166 @@
+"""The statements whose text depends on the dialect (the clock, ``jsonb``,
+row locks) or on a number of keys, rendered from :mod:`celery_lease.sql.queries`'
+templates: at import for each dialect (``Database.sql``), once per n for the
+n-key ones (cached). Call sites look them up; they never assemble text."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from functools import lru_cache
+from typing import Any
+
+from celery_lease.sql import queries
+from celery_lease.sql.queries import (
+    _INSPECT,
+    _LIST,
+    _RELEASE_IN,
+    _RENEW_LEASE,
+    _RESULT_INSERT,
+    _RESULT_ONCE_GUARD,
+    _RESULT_OWN_LEASE,
+    _SELECT_FENCES_IN,
+    _SELECT_LEASES_IN,
+    FENCE_CURRENT,
+    NOW,
+    REGISTER,
+    _bound,
+    pyformat,
+)
+
+__all__ = ["DIALECTS", "Dialect", "key_params", "rendered"]
+
+
+class Dialect:
+    """The statements of one dialect whose text depends on it, rendered once."""
+
+    def __init__(self, name: str) -> None:
+        now = NOW[name]
+        sqlite = name == "sqlite"
+        self.name = name
+        #: The database's clock, as an SQL expression.
+        self.now = now
+        #: Read the database's clock.
+        self.select_now = f"SELECT {now}"
+        #: Register ``:token`` as ``:key``'s newest (results before a body,
+        #: and ``fencing.guard``); no row: a newer token is registered.
+        self.register_fence = REGISTER.format(now=now, **_bound("key", "token")).strip() + "\n"
+        #: One key's lease row, its fence and the clock (``(SELECT 1)``: a row even if none).
+        self.inspect = _INSPECT.format(now=now)
+        #: Lease rows under a LIKE pattern, live ones only unless ``:expired``.
+        self.list_leases = _LIST.format(now=now)
+        #: Commit with leases elsewhere: the key's fence row, locked (PostgreSQL).
+        self.lock_fence = FENCE_CURRENT if sqlite else FENCE_CURRENT + " FOR UPDATE"
+        #: The result insert (``_RESULT_INSERT``), by once mode.
+        self.result_insert = {
+            once: _RESULT_INSERT.format(
+                result=":result" if sqlite else "CAST(:result AS jsonb)",
+                now=now,
+                once_guard=_RESULT_ONCE_GUARD if once else "",
+            )
+            for once in (True, False)
+        }
+
+    # Over n keys (an ``IN`` list; parameters named by :func:`key_params`).
+
+    def release_in(self, n: int) -> str:
+        """Release a lease of n keys."""
+        return _release_in(self.now, n)
+
+    def select_fences_in(self, n: int) -> str:
+        """The fence rows of n keys (SQLite claims)."""
+        return _select_fences_in(n)
+
+    def select_leases_in(self, n: int) -> str:
+        """The lease rows of n keys (claims in a transaction)."""
+        return _select_leases_in(n)
+
+    def renew_lease(self, n: int) -> str:
+        """SQLite, one lease of n keys, in the renewal's write transaction: all
+        its rows or none (the count is read before any is changed)."""
+        return _renew_lease(n)
+
+    def result_own_lease(self, release: bool, n: int) -> str:
+        """SQLite, colocated commit: own (and release, or only touch) n lease rows."""
+        return _result_own_lease(release, n)
+
+
+def key_params(keys: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """The bound keys of an n-key statement: ``{"k0": keys[0], ...}``."""
+    return {f"k{i}": key for i, key in enumerate(keys)}
+
+
+@lru_cache(maxsize=64)
+def _in_list(n: int) -> str:
+    return ", ".join(f":k{i}" for i in range(n))
+
+
+@lru_cache(maxsize=128)
+def _release_in(now: str, n: int) -> str:
+    return _RELEASE_IN.format(now=now, keys=_in_list(n))
+
+
+@lru_cache(maxsize=64)
+def _select_fences_in(n: int) -> str:
+    return _SELECT_FENCES_IN.format(keys=_in_list(n))
+
+
+@lru_cache(maxsize=64)
+def _select_leases_in(n: int) -> str:
+    return _SELECT_LEASES_IN.format(keys=_in_list(n))
+
+
+@lru_cache(maxsize=64)
+def _renew_lease(n: int) -> str:
+    return _RENEW_LEASE.format(keys=_in_list(n))
+
+
+@lru_cache(maxsize=128)
+def _result_own_lease(release: bool, n: int) -> str:
+    keep = "expires_at = :now, renewed_at = :now" if release else "renewed_at = renewed_at"
+    return _RESULT_OWN_LEASE.format(set=keep, keys=_in_list(n))
+
+
+DIALECTS = {name: Dialect(name) for name in NOW}
+
+
+#: The PostgreSQL hot paths' dialect-rendered statements in psycopg's form.
+#: (Release of one key binds ``:key``, as the claim does.)
+PG_RELEASE_ONE_PY = pyformat(_RELEASE_IN.format(now=NOW["postgresql"], keys=":key"))
+PG_REGISTER_FENCE_PY = pyformat(DIALECTS["postgresql"].register_fence)
+
+
+def rendered(dialect: str) -> Iterator[tuple[str, str]]:
+    """``(name, text)`` of every client statement ``dialect`` can run, n-key
+    ones for one key, in ``:name`` form (for the benchmarks' tables and tests)."""
+    pg = dialect == "postgresql"
+    for name, value in vars(queries).items():
+        public = name[0] != "_" and name.isupper() and name[-3:] not in ("_PY", "_FN")
+        if public and isinstance(value, str) and (pg or not name.startswith("PG_")):
+            if name not in ("CLAIM_CTE", "REGISTER"):  # parts, not statements
+                yield name, value
+    d = DIALECTS[dialect]
+    yield "select_now", d.select_now
+    yield "register_fence", d.register_fence
+    yield "inspect", d.inspect
+    yield "list_leases", d.list_leases
+    for once, sql in d.result_insert.items():
+        yield f"result_insert[once={once}]", sql
+    yield "release_in", d.release_in(1)
+    yield "select_leases_in", d.select_leases_in(1)
+    if pg:  # on SQLite, lock_fence is FENCE_CURRENT itself
+        yield "lock_fence", d.lock_fence
+        for (release, once, one_key), sql in queries.PG_COMMIT_COLOCATED.items():
+            yield f"PG_COMMIT_COLOCATED[{release=}, {once=}, {one_key=}]", sql
+        yield "claim_lookup", pyformat_back(queries.PG_CLAIM_LOOKUP_PY)
+        yield "register_lookup", pyformat_back(queries.PG_REGISTER_LOOKUP_PY)
+    else:
+        yield "select_fences_in", d.select_fences_in(1)
+        yield "renew_lease", d.renew_lease(1)
+        for release in (True, False):
+            yield f"result_own_lease[{release=}]", d.result_own_lease(release, 1)
+
+
+def pyformat_back(sql: str) -> str:
+    """``%(name)s`` placeholders as ``:name`` (the inverse of :func:`pyformat`)."""
+    return re.sub(r"%\((\w+)\)s", r":\1", sql).replace("%%", "%")

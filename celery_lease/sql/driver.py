@@ -1,0 +1,227 @@
+"""Connections: one :class:`Database` per URL and process.
+
+A :class:`Database` holds the SQLAlchemy engine (URL handling, TLS options,
+connect events, migrations, the CLI), the dialect's statements
+(:attr:`Database.sql`) and the interface to the hand-written driver layer of
+:mod:`celery_lease.sql.pool`: :meth:`Database.transaction`,
+:meth:`Database.single`, :meth:`Database.read` and, for the PostgreSQL hot
+paths, :meth:`Database.pg_first` / :meth:`Database.pg_count`.
+
+PostgreSQL runs single statements in autocommit (one round trip each) and
+multi-statement work in READ COMMITTED transactions. SQLite runs everything
+in ``BEGIN IMMEDIATE`` transactions (one writer at a time, WAL journal), so
+its operations serialize without row locks.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event, exc
+from sqlalchemy.engine import make_url
+
+from celery_lease.exceptions import LeaseConfigError, LeaseError
+from celery_lease.sql.dialects import DIALECTS
+from celery_lease.sql.errors import translate_error
+from celery_lease.sql.pool import Conn, _Pool
+
+__all__ = ["Database", "database", "normalize_sql_url"]
+
+
+def normalize_sql_url(url: str) -> str:
+    """Map ``postgresql://``/``postgres://`` to the psycopg 3 driver; keep others as given."""
+    for plain in ("postgresql://", "postgres://"):
+        if url.startswith(plain):
+            return "postgresql+psycopg://" + url[len(plain) :]
+    return url
+
+
+class Database:
+    """An engine for one URL in this process, with the dialect's details."""
+
+    def __init__(self, url: str, **engine_options: Any) -> None:
+        self.url = normalize_sql_url(url)
+        try:
+            parsed = make_url(self.url)
+        except exc.ArgumentError as e:
+            raise LeaseConfigError(f"not a database URL: {url!r} ({e})") from e
+        self.dialect = parsed.get_backend_name()
+        if self.dialect not in DIALECTS:
+            raise LeaseConfigError(
+                f"unsupported database {self.dialect!r} in {url!r}: use "
+                "postgresql+psycopg://... or sqlite:///..."
+            )
+        #: This dialect's statements (celery_lease.sql.dialects.Dialect).
+        self.sql = DIALECTS[self.dialect]
+        self.is_sqlite = self.dialect == "sqlite"
+        options: dict[str, Any] = {"future": True}
+        if self.is_sqlite:
+            database = parsed.database or ""
+            if database in ("", ":memory:"):
+                raise LeaseConfigError(
+                    "an SQLite lease store needs a file shared by all processes: sqlite:///path "
+                    "(for tests: celery_lease.testing, memory:// leases and a temporary file)"
+                )
+            self.sqlite_path: str | None = os.path.abspath(database)
+            options["connect_args"] = {"timeout": 30.0, "check_same_thread": False}
+        else:
+            self.sqlite_path = None
+            options["connect_args"] = {"connect_timeout": 5}
+            options["pool_size"] = 5
+            options["max_overflow"] = 20
+        options.update(engine_options)
+        self.engine: Engine = create_engine(self.url, **options)
+        if self.is_sqlite:
+            _sqlite_listeners(self.engine)
+            self.single_engine: Engine = self.engine
+        else:
+            self.single_engine = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+        dbapi = self.engine.dialect.loaded_dbapi
+        #: The driver's own errors (the hot paths run on the driver, see Conn).
+        self.driver_error: type[BaseException] = dbapi.Error
+        #: Those that mean "unavailable, retry later" rather than "wrong".
+        self.driver_unavailable: tuple[type[BaseException], ...] = (
+            dbapi.OperationalError,
+            dbapi.InterfaceError,
+        )
+        if self.is_sqlite:
+            self.pg_row_factory: Any = None
+            self.pg_tuple_row: Any = None
+        else:
+            from psycopg.rows import namedtuple_row, tuple_row
+
+            self.pg_row_factory = namedtuple_row  # rows with attribute access (Conn)
+            self.pg_tuple_row = tuple_row  # the free list's cursors: plain tuples
+        self._pool = _Pool(self)
+        self._migrated = False
+        _after_fork_dispose(self)
+
+    def in_transaction(self, raw: Any) -> bool:
+        """True when a driver connection is inside a transaction (or an aborted one)."""
+        if self.is_sqlite:
+            return bool(raw.in_transaction)
+        return bool(raw.pgconn.transaction_status)  # psycopg.pq.TransactionStatus.IDLE is 0
+
+    def is_gone(self, raw: Any) -> bool:
+        """True when a driver connection can no longer be used (its server went away)."""
+        return raw is None or (not self.is_sqlite and (raw.closed or raw.broken))
+
+    # -- running statements ------------------------------------------------
+
+    def transaction(self) -> Conn:
+        """``with db.transaction() as conn``: a short transaction (``BEGIN IMMEDIATE``
+        on SQLite), committed at the block's end, rolled back on an exception;
+        driver errors translated."""
+        return Conn(self, *self._pool.get(), transaction=True)
+
+    def single(self) -> Conn:
+        """``with db.single() as conn``: for one statement, autocommit on PostgreSQL
+        (one round trip).
+
+        SQLite runs it in a ``BEGIN IMMEDIATE`` transaction: a lone write
+        statement in WAL mode could otherwise fail at once (SQLITE_BUSY_SNAPSHOT)
+        instead of waiting its turn.
+        """
+        return Conn(self, *self._pool.get(), transaction=self.is_sqlite)
+
+    def read(self) -> Conn:
+        """``with db.read() as conn``: one read-only statement, autocommit on both.
+
+        On SQLite it takes no write lock, so it never waits for a writer (WAL):
+        ``fencing.guard`` asks the store from inside the caller's own write
+        transaction, which may be on this very file.
+        """
+        return Conn(self, *self._pool.get(), transaction=False)
+
+    # -- the PostgreSQL hot path ---------------------------------------------
+
+    def pg_first(self, sql: str, params: Mapping[str, Any]) -> Any:
+        """PostgreSQL only: one autocommit statement (``sql`` already in psycopg's
+        ``%(name)s`` form, e.g. ``queries.PG_CLAIM_ONE_PY``); its first row, or None.
+
+        What ``with db.single() as conn: conn.execute(sql, params).first()``
+        does (a connection from the free list, a stale one replaced and the
+        statement sent again once, driver errors translated), without the
+        :class:`Conn` and :class:`Rows` layers around one statement.
+        """
+        return self._pool.one(sql, params, True)
+
+    def pg_count(self, sql: str, params: Mapping[str, Any]) -> int:
+        """Like :meth:`pg_first`; the number of rows the statement returned."""
+        return self._pool.one(sql, params, False)  # type: ignore[no-any-return]
+
+    def translate(self, e: BaseException) -> LeaseError:
+        """celery-lease's error for a driver (or SQLAlchemy) error."""
+        return translate_error(e, self.url, self.driver_unavailable)
+
+    @contextmanager
+    def errors(self) -> Iterator[None]:
+        """Translate driver errors into celery-lease's (the one place that does)."""
+        try:
+            yield
+        except (exc.DBAPIError, self.driver_error) as e:
+            raise self.translate(e) from e
+
+    def dispose(self) -> None:
+        self._pool.close()
+        self.engine.dispose()
+
+    def now(self) -> float:
+        """The database's clock, in epoch seconds."""
+        with self.single() as conn:
+            return conn.now()
+
+    def ensure_schema(self) -> None:
+        """SQLite only: apply the migrations on first use (the embedded default)."""
+        if self._migrated or not self.is_sqlite:
+            return
+        from celery_lease.sql.migrate import migrate
+
+        migrate(self.url, _database=self)
+        self._migrated = True
+
+
+def _sqlite_listeners(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_connection: Any, connection_record: Any) -> None:
+        dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+_databases: dict[str, Database] = {}
+_databases_lock = threading.Lock()
+
+
+def database(url: str) -> Database:
+    """The process-wide :class:`Database` for ``url`` (shared by store, results, fencing)."""
+    key = normalize_sql_url(url)
+    with _databases_lock:
+        db = _databases.get(key)
+        if db is None:
+            db = _databases[key] = Database(key)
+        return db
+
+
+def _after_fork_dispose(db: Database) -> None:
+    """Never share pooled connections across fork: the child starts a fresh pool."""
+    ref = weakref.ref(db)
+
+    def _reset() -> None:
+        d = ref()
+        if d is not None:
+            d.engine.dispose(close=False)
+            d._pool.forget()
+
+    os.register_at_fork(after_in_child=_reset)

@@ -1,0 +1,84 @@
+"""Alembic glue: apply, undo and check celery-lease's migrations (the
+``migrations/`` directory, shipped as ``celery_lease.migrations``)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from importlib import resources
+from typing import Any
+
+from celery_lease.schema import VERSION_TABLE
+from celery_lease.sql.driver import Database, database
+
+__all__ = ["check", "downgrade", "migrate"]
+
+
+def _alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(resources.files("celery_lease.migrations")))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    cfg.set_main_option("version_table", VERSION_TABLE)
+    return cfg
+
+
+def migrate(url: str, revision: str = "head", *, _database: Database | None = None) -> None:
+    """Apply celery-lease's migrations to ``url`` (up to ``revision``).
+
+    Safe to run from several processes at once (SQLite: a file lock; PostgreSQL:
+    an advisory lock), and a no-op when already at ``revision``.
+    """
+    from alembic import command
+
+    db = _database or database(url)
+    cfg = _alembic_config(db.url)
+    if db.is_sqlite:
+        assert db.sqlite_path is not None
+        os.makedirs(os.path.dirname(db.sqlite_path) or ".", exist_ok=True)
+        with open(db.sqlite_path + ".migrate-lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                with db.errors(), db.engine.connect() as conn:
+                    cfg.attributes["connection"] = conn
+                    command.upgrade(cfg, revision)
+                    conn.commit()
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        return
+    with db.errors(), db.engine.connect() as conn:
+        conn.exec_driver_sql("SELECT pg_advisory_lock(7244231)")
+        try:
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, revision)
+            conn.commit()
+        finally:
+            conn.exec_driver_sql("SELECT pg_advisory_unlock(7244231)")
+            conn.commit()
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    """Undo celery-lease's migrations down to ``revision`` (``base`` drops its tables)."""
+    from alembic import command
+
+    db = database(url)
+    cfg = _alembic_config(db.url)
+    with db.errors(), db.engine.connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
+        if revision == "base":  # leave nothing behind, Alembic's version table included
+            conn.exec_driver_sql(f"DROP TABLE IF EXISTS {VERSION_TABLE}")
+        conn.commit()
+    db._migrated = False  # the embedded SQLite default migrates again on next use
+
+
+def check(url: str) -> None:
+    """Raise if the database schema differs from :mod:`celery_lease.schema` (``alembic check``)."""
+    from alembic import command
+
+    db = database(url)
+    cfg = _alembic_config(db.url)
+    with db.errors(), db.engine.connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.check(cfg)
