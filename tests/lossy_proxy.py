@@ -180,6 +180,9 @@ class LossyProxy:
                         self._armed = None
                 if drop:
                     self.dropped.append(Dropped(request, data))
+                    # Before the reset: the client acts on it at once, and its
+                    # test may ask wait_dropped(0) right after.
+                    self._dropped_event.set()
                     # RST, not FIN: the client must not wait for the rest of a reply.
                     # The socket is reset when its last user lets go of it: wake the
                     # _upstream thread blocked in recv on it first (SHUT_RD sends
@@ -191,7 +194,6 @@ class LossyProxy:
                         client.shutdown(socket.SHUT_RD)
                     client.close()
                     server.close()
-                    self._dropped_event.set()
                     return
                 client.sendall(data)
         except OSError:
