@@ -6,7 +6,8 @@
   ``lease_clock_drift`` against a task's own ``lease_ttl``), so a wrong one
   stops the worker with a message naming it;
 - ``worker_process_init`` (each prefork child): drop stores inherited from the
-  parent (connection pools are also reset by ``os.register_at_fork`` hooks);
+  parent (connection pools are also reset by ``os.register_at_fork`` hooks),
+  and any live metrics gauge a dead process of the same pid left;
 - ``worker_process_shutdown`` (a child's warm exit): release the leases it holds;
 - ``task_revoked`` with ``terminate=True`` (main process): the child is killed
   mid-body, so release its lease on its behalf (evict the lease read, if it
@@ -18,6 +19,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
@@ -117,6 +119,13 @@ def _process_init(**kwargs: Any) -> None:
     from celery_lease import task
 
     task._runtimes.clear()
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        try:
+            from celery_lease import metrics_server
+
+            metrics_server.process_init()
+        except ImportError:
+            pass  # no prometheus-client: nothing counts, nothing to forget
 
 
 def _process_shutdown(**kwargs: Any) -> None:
