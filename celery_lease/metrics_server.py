@@ -107,4 +107,4 @@ class _LiveCollector:
 
     def collect(self) -> Iterator[Any]:
         sweep_dead(self._path)
-        return iter(self._inner.collect())
+        return iter(self._inner.collect())  # type: ignore[no-untyped-call]
