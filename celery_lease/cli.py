@@ -90,13 +90,23 @@ def lease() -> None:
 @lease.command(cls=CeleryCommand, name="list")
 @click.option("--prefix", default="", help="Only keys starting with this.")
 @click.option("--expired", is_flag=True, help="Include expired leases still on record.")
+@tenant_option
 @json_option
 @click.pass_context
 @_errors
-def list_(ctx: click.Context, prefix: str, expired: bool, as_json: bool) -> None:
-    """Live leases (and expired ones with --expired)."""
+def list_(
+    ctx: click.Context, prefix: str, expired: bool, tenant: str | None, as_json: bool
+) -> None:
+    """Live leases (and expired ones with --expired); with --tenant, that tenant's only."""
     store, _ = _stores(ctx)
-    records = store.list(prefix, expired=expired)
+    if tenant is None:
+        records = store.list(prefix, expired=expired)
+    else:
+        scoped(prefix or "-", tenant)  # refuses a tenant no scope could have
+        # The scope's prefix, and the record's own tenant: a shortened key's
+        # prefix alone could be cut inside a long tenant's name.
+        scope = f"t/{len(tenant)}:{tenant}/{prefix}"
+        records = [r for r in store.list(scope, expired=expired) if r.tenant == tenant]
     if as_json:
         click.echo(json.dumps([_record_json(r) for r in records], indent=2))
         return

@@ -25,8 +25,12 @@ _SECRET_NAMES = (
 #: ``user:password@`` after a scheme, or at the start of a word (a URL given
 #: without its scheme, as a misconfigured setting may be).
 _USERINFO = re.compile(
-    r"(?P<pre>[A-Za-z][A-Za-z0-9+.\-]*://|(?<![^\s'\"(=,\[]))"
-    r"(?P<user>[^\s:/@'\"]*):(?P<pw>[^\s@'\"]+)@"
+    r"(?P<pre>(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)|(?<![^\s'\"(=,\[]))"
+    # Without a scheme, a "password" starting with ``//`` is a URL's own
+    # ``scheme://user@host`` (a user, no password): left whole.
+    # The password runs to the *last* ``@`` (as urllib splits it): an ``@`` in it
+    # must not leave its tail shown.
+    r"(?P<user>[^\s:/@'\"]*):(?(scheme)|(?!//))(?P<pw>[^\s'\"]+)@"
 )
 #: ``password=...`` in a query string or an option list.
 _PARAM = re.compile(

@@ -8,6 +8,8 @@
 - each prefork child builds its own stores: the app's runtime is kept with the
   pid that made it (``task.runtime``), and connection pools are reset by
   ``os.register_at_fork`` hooks, so nothing is shared with the parent;
+- ``worker_process_init`` (each prefork child): forget any live metrics gauge a
+  dead process of the same pid left;
 - ``worker_process_shutdown`` (a child's warm exit): release the leases it holds;
 - ``task_revoked`` with ``terminate=True`` (main process): the child is killed
   mid-body, so release its lease on its behalf (evict the lease read, if it
@@ -19,10 +21,11 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps
-from celery.signals import task_revoked, worker_process_shutdown
+from celery.signals import task_revoked, worker_process_init, worker_process_shutdown
 
 from celery_lease.appstate import app_state
 from celery_lease.exceptions import StoreUnavailable
@@ -109,10 +112,21 @@ def install(app: Any) -> None:
         return
     state.installed = True
     app.steps["worker"].add(LeaseBootstep)
+    worker_process_init.connect(_process_init, weak=False, dispatch_uid="celery_lease.init")
     worker_process_shutdown.connect(
         _process_shutdown, weak=False, dispatch_uid="celery_lease.shutdown"
     )
     task_revoked.connect(_revoked, weak=False, dispatch_uid="celery_lease.revoked")
+
+
+def _process_init(**kwargs: Any) -> None:
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        try:
+            from celery_lease import metrics_server
+
+            metrics_server.process_init()
+        except ImportError:
+            pass  # no prometheus-client: nothing counts, nothing to forget
 
 
 def _process_shutdown(**kwargs: Any) -> None:

@@ -407,3 +407,41 @@ def test_etcds_with_a_ca_and_a_client_certificate(
         LeaseStore.from_url(cluster.url.replace("etcds://", "etcd://"), timeout=3).inspect("k")
     # Nothing was granted by the refused attempts.
     assert store.inspect("k") is None
+
+
+def test_a_deferral_marker_expires_and_leaves_no_key_and_no_fence(
+    store: EtcdLeaseStore,
+    etcd_cluster: EtcdCluster,  # noqa: F811
+) -> None:
+    """A marker is one key on an etcd lease of its TTL: another owner is refused,
+    its own owner extends it, and once etcd expires it nothing of it is left,
+    no fence key (a marker made as a claim left one forever per deferral)."""
+    from celery_lease.task import DEFER_MARKER
+
+    name = f"{DEFER_MARKER}{new_key('mark')}"
+    before = etcd_leases(etcd_cluster)
+    assert store.mark(name, A, ttl=2.0)
+    assert store.marker(name) == A
+    assert not store.mark(name, B, ttl=2.0), "another chain's live marker is kept"
+    assert store.mark(name, A, ttl=2.0), "the chain's own marker is extended"
+    assert store.marker(name) == A
+    assert raw_get(etcd_cluster, store.fence_name(name).decode()) is None, "a marker has no fence"
+    raw = raw_get(etcd_cluster, f"/{store.prefix}/mark/{name}")
+    assert raw is not None and raw["value"] == A.encode()
+    lease_id = str(raw["lease"])
+    assert lease_id in etcd_leases(etcd_cluster) - before
+    assert len(etcd_leases(etcd_cluster) - before) == 1, "the refused and replaced leases are gone"
+    assert raw_get(etcd_cluster, store.fence_name(name).decode()) is None
+    assert raw_get(etcd_cluster, store.lease_name(name).decode()) is None
+
+    wait_for(lambda: store.marker(name) is None, 20, "etcd to expire the marker")
+    assert raw_get(etcd_cluster, f"/{store.prefix}/mark/{name}") is None
+    assert raw_get(etcd_cluster, store.fence_name(name).decode()) is None
+    assert lease_ttl(etcd_cluster, lease_id) == (-1, 0)
+    left = etcd_cluster.call(
+        "kv/range",
+        {"key": b64(f"/{store.prefix}/".encode()), "range_end": b64(b"\0"), "keys_only": True},
+    ).get("kvs", [])
+    names = [base64.b64decode(kv["key"]).decode() for kv in left]
+    assert not [n for n in names if name in n], names
+    assert store.mark(name, B, ttl=2.0), "an expired marker is free for the next chain"

@@ -234,3 +234,124 @@ def test_a_negative_deferrals_header_does_not_escape_lease_defer_max(cluster: Cl
     assert c.rows("start", res.id) == []
     deferred = c.worker_logs().count(f"LEASE_DEFERRED {res.id}")
     assert deferred == 3, f"{deferred} deferrals, lease_defer_max is 3"
+
+
+# -- what one tenant sees of another: the CLI, failure messages, events -----------
+
+
+def test_cli_show_results_and_list_of_one_tenant_show_nothing_of_another(
+    cluster: Cluster,
+) -> None:
+    """The same key string for two tenants: each tenant's ``show`` / ``results`` /
+    ``list --tenant`` names its own task, token and result, never the other's."""
+    import json
+
+    c = cluster
+    doc, key = _doc(), f"held-{uuid.uuid4().hex[:8]}"
+    done = {t: c.tasks.report_for.delay(doc, t, tag=f"tag-{t}").get(timeout=40) for t in (A, B)}
+    holding = {t: c.tasks.work_for.delay(key, t, 15.0, tag=f"hold-{t}") for t in (A, B)}
+    started = {t: c.wait_row("start", holding[t].id) for t in (A, B)}
+    try:
+        seen: dict[str, dict[str, str]] = {}
+        for t in (A, B):
+            # The CLI in this process (click, parsed by Celery's own group): six
+            # interpreter starts would outlast the holders' leases.
+            out = {
+                "results": c.cli_here("results", doc, "--tenant", t, "--json"),
+                "show": c.cli_here("show", key, "--tenant", t, "--json"),
+                "list": c.cli_here("list", "--tenant", t, "--json"),
+            }
+            for name, (code, stdout, stderr) in out.items():
+                assert code == 0, (name, stdout, stderr)
+            seen[t] = {name: stdout + stderr for name, (_, stdout, stderr) in out.items()}
+            results = json.loads(out["results"][1])
+            assert [r["tenant"] for r in results] == [t]
+            assert results[0]["value"]["tag"] == f"tag-{t}"
+            record = json.loads(out["show"][1])
+            assert record["tenant"] == t and record["task_id"] == holding[t].id, record
+            assert record["token"] == int(started[t]["token"])
+            listed = json.loads(out["list"][1])
+            assert listed and {r["tenant"] for r in listed} == {t}, listed
+            assert holding[t].id in {r["task_id"] for r in listed}
+        for t, other in ((A, B), (B, A)):
+            text = "\n".join(seen[t].values())
+            for foreign in (
+                holding[other].id,
+                str(started[other]["token"]),
+                str(done[other]["token"]),
+                f"tag-{other}",
+                f":{other}/",
+            ):
+                assert foreign not in text, f"tenant {t}'s CLI output shows {foreign!r}:\n{text}"
+        # Unscoped, the key is nobody's: an unscoped caller sees neither tenant's.
+        assert c.cli_here("show", key)[0] == 3
+        assert c.cli("results", doc).returncode == 3  # and once as a real subprocess
+    finally:
+        for r in holding.values():
+            r.get(timeout=60)
+
+
+def test_conflict_duplicate_messages_and_events_carry_nothing_of_another_tenant(
+    cluster: Cluster,
+) -> None:
+    """Tenant A's conflict and duplicate failures (the exceptions its caller gets)
+    and every LEASE_* event of A's tasks, as an event receiver reads them from
+    the broker, name A's holder and token only: tenant B holds the same key
+    string at the same time and has an accepted result for it."""
+    import json
+
+    from tests.event_capture import EventCapture
+
+    c = cluster
+    if len(c.workers) < 2:
+        c.worker("isolation-2", concurrency=2).start()  # room for both holders and both callers
+    doc = _doc()
+    with EventCapture(c.app) as events:
+        hold = {t: c.tasks.once_for.delay(doc, t, 8.0, tag=f"hold-{t}") for t in (A, B)}
+        for t in (A, B):
+            c.wait_row("start", hold[t].id)
+        holders = {t: c.store.inspect(scoped(doc, t)) for t in (A, B)}
+        for t in (A, B):
+            assert holders[t] is not None and holders[t].task_id == hold[t].id  # type: ignore[union-attr]
+        # While both hold: A's second call meets A's holder (reject on conflict).
+        conflict = c.tasks.once_for.delay(doc, A, 0.0, tag="conflict-A")
+        with pytest.raises(celery_lease.LeaseNotAcquired) as conflict_info:
+            conflict.get(timeout=40)
+        for r in hold.values():
+            r.get(timeout=60)
+        # Both accepted: A's third call is a duplicate of A's result.
+        duplicate = c.tasks.once_for.delay(doc, A, 0.0, tag="duplicate-A")
+        with pytest.raises(celery_lease.DuplicateResult) as duplicate_info:
+            duplicate.get(timeout=40)
+        ids = {hold[A].id, conflict.id, duplicate.id}
+        wanted = {"task-LEASE_REJECTED"}
+        got = wait_for_events(events, ids, wanted)
+    mine, theirs = holders[A], holders[B]
+    assert mine is not None and theirs is not None
+    messages = {
+        "conflict": str(conflict_info.value),
+        "duplicate": str(duplicate_info.value),
+        "events": json.dumps(got, default=str),
+    }
+    # Proof: A's own key was met, held (the conflict) and then accepted (the duplicate).
+    assert conflict_info.value.key == scoped(doc, A), messages
+    assert duplicate_info.value.key == scoped(doc, A), messages
+    assert {e["type"] for e in got if e["uuid"] in (conflict.id, duplicate.id)} == {
+        "task-LEASE_REJECTED"
+    }, got
+    for name, text in messages.items():
+        for foreign in (theirs.owner_id, hold[B].id, str(theirs.token), f"hold-{B}", f":{B}/"):
+            assert foreign not in text, f"A's {name} shows B's {foreign!r}:\n{text}"
+
+
+def wait_for_events(events: object, ids: set[str], types: set[str]) -> list[dict[str, object]]:
+    """Every LEASE_*/FENCED event of ``ids``, once those of ``types`` arrived for the callers."""
+    from tests.servers import wait_for
+
+    def ready() -> list[dict[str, object]] | None:
+        got = [e for e in events.snapshot() if e.get("uuid") in ids]  # type: ignore[attr-defined]
+        kinds = {str(e["type"]) for e in got}
+        return got if types <= kinds and len([e for e in got if e["type"] in types]) >= 2 else None
+
+    got = wait_for(ready, 40, f"events {types} of {ids}")
+    return [e for e in got if str(e["type"]).startswith(("task-LEASE", "task-FENCED"))]

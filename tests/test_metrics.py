@@ -126,3 +126,101 @@ def _started(log: Path, task_id: str) -> dict[str, object] | None:
 def _proc_state(pid: int) -> str:
     data = Path(f"/proc/{pid}/stat").read_text()
     return data[data.rfind(")") + 2 :].split()[0]
+
+
+def test_a_sigkilled_childs_held_leases_leave_the_live_gauge(
+    redis_server: object, tmp_path: Path
+) -> None:
+    """Two children each hold a lease; one is SIGKILLed (no shutdown signal runs
+    in it): the next scrape sums the survivor's lease alone."""
+    port = free_port()
+    log = tmp_path / "exec.log"
+    (tmp_path / "mp").mkdir()
+    env = {
+        "CL_BROKER": redis_server.url(24),  # type: ignore[attr-defined]
+        "CL_BACKEND": redis_server.url(25),  # type: ignore[attr-defined]
+        "CL_STORE": redis_server.url(26),  # type: ignore[attr-defined]
+        "CL_RESULTS": f"sqlite:///{tmp_path}/results.sqlite3",
+        "CL_TTL": "30",
+        "CL_LOG": str(log),
+        "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "mp"),
+        # The killed child's task is failed, not redelivered (a redelivery would
+        # hold a lease again on the replacement child and blur the sum).
+        "CL_SETTINGS": json.dumps(
+            {"lease_metrics_port": port, "task_reject_on_worker_lost": False}
+        ),
+    }
+    worker = Worker("metrics-dead", env, tmp_path, concurrency=2).start()
+    try:
+        _, tasks = build(env)
+        wait_for(lambda: _up(port), 20, "the metrics endpoint")
+        a = tasks.work.delay(f"md-{uuid.uuid4().hex}", 120.0)
+        b = tasks.work.delay(f"md-{uuid.uuid4().hex}", 120.0)
+        start_a = wait_for(lambda: _started(log, a.id), 30, "A to start")
+        start_b = wait_for(lambda: _started(log, b.id), 30, "B to start")
+        assert start_a["pid"] != start_b["pid"]
+        wait_for(
+            lambda: metric(scrape(port), "celery_lease_held_leases") == 2,
+            20,
+            "both children's leases in the gauge",
+        )
+        victim = int(start_a["pid"])
+        os.kill(victim, signal.SIGKILL)
+        # Proof of the fault: the child is gone (reaped by the pool) and replaced.
+        wait_for(
+            lambda: victim not in worker.children() and len(worker.children()) == 2,
+            30,
+            "the killed child to be reaped and replaced",
+        )
+        held = metric(scrape(port), "celery_lease_held_leases")
+        assert held == 1, f"the dead child {victim}'s lease is still summed: {held}"
+        assert not list((tmp_path / "mp").glob(f"gauge_live*_{victim}.db"))
+    finally:
+        worker.kill()
+
+
+def test_a_worker_start_drops_the_files_dead_processes_left(
+    redis_server: object, tmp_path: Path
+) -> None:
+    """A multiprocess directory reused across runs: a dead pid's counter and
+    live gauge files are gone once the worker is up, nothing of them scraped."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    mpdir = tmp_path / "mp"
+    mpdir.mkdir()
+    # A real process counts into the directory, then exits: its pid is dead.
+    code = (
+        "from celery_lease import metrics\n"
+        "metrics.held_leases.set(7)\n"
+        "metrics.claims.labels('granted').inc(1000)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mpdir)},
+        cwd=str(Path(__file__).resolve().parent.parent),
+        check=True,
+        capture_output=True,
+    )
+    assert done.returncode == 0
+    left = sorted(p.name for p in mpdir.iterdir())
+    assert any(n.startswith("gauge_livesum_") for n in left), left
+    assert any(n.startswith("counter_") for n in left), left
+    env = {
+        "CL_BROKER": redis_server.url(27),  # type: ignore[attr-defined]
+        "CL_BACKEND": redis_server.url(28),  # type: ignore[attr-defined]
+        "CL_STORE": redis_server.url(29),  # type: ignore[attr-defined]
+        "CL_RESULTS": f"sqlite:///{tmp_path}/results.sqlite3",
+        "PROMETHEUS_MULTIPROC_DIR": str(mpdir),
+        "CL_SETTINGS": json.dumps({"lease_metrics_port": port}),
+    }
+    worker = Worker("metrics-reuse", env, tmp_path, concurrency=1).start()
+    try:
+        wait_for(lambda: _up(port), 20, "the metrics endpoint")
+        samples = scrape(port)
+        assert metric(samples, "celery_lease_held_leases") == 0
+        assert samples.get('celery_lease_claims_total{outcome="granted"}', 0) < 1000
+        assert not set(left) & {p.name for p in mpdir.iterdir()}
+    finally:
+        worker.kill()

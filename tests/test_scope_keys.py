@@ -143,3 +143,31 @@ def test_redact_masks_every_form() -> None:
     ):
         assert SECRET not in redact(text)
     assert redact("payment-security-42") == "payment-security-42"
+
+
+@pytest.mark.parametrize("key", ["}x", "}", "}}{a}", "plain", "{tagged}rest", "t/acme/}x"])
+def test_a_keys_lease_and_fence_share_a_cluster_slot(
+    key: str, redis_url: str, make_redis_server: object
+) -> None:
+    """What Redis Cluster would compute (CLUSTER KEYSLOT on a real cluster-mode
+    server) for the names a real claim wrote: one slot for the lease and the
+    fence, so the claim script's two keys may run on one node. A key starting
+    with ``}`` used to give an empty hash tag and two slots."""
+    import redis as redis_py
+
+    node = make_redis_server(appendonly=False, extra_args=("--cluster-enabled", "yes"))  # type: ignore[operator]
+    cluster = redis_py.Redis.from_url(node.url(0))
+    store = LeaseStore.from_url(redis_url)
+    try:
+        lease = store.claim(key, ttl=30.0, owner_id="o")
+        assert lease is not None
+        plain = redis_py.Redis.from_url(redis_url)
+        written = sorted(n.decode() for n in plain.keys("*"))
+        plain.close()
+        lease_name, fence_name = store.lease_name(key), store.fence_name(key)  # type: ignore[attr-defined]
+        assert sorted([lease_name, fence_name]) == written, written
+        slots = {n: cluster.execute_command("CLUSTER", "KEYSLOT", n) for n in written}
+        assert len(set(slots.values())) == 1, slots
+    finally:
+        store.close()
+        cluster.close()

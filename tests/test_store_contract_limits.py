@@ -8,7 +8,9 @@ apart so neither module grows past a readable size:
   :class:`LeaseConfigError` before anything is written (no lease record, no
   fence);
 * ``evict(key, token=...)`` evicts only the lease granted with that token: with
-  a stale token (the key released, or granted again since) nothing changes.
+  a stale token (the key released, or granted again since) nothing changes;
+* internal markers (``mark``/``marker``): another owner's live marker is
+  kept, the owner's own is extended, and an expired one is free again.
 """
 
 from __future__ import annotations
@@ -111,3 +113,19 @@ def test_evict_with_a_stale_token_changes_nothing(store: LeaseStore) -> None:
     for bad in (0, -1, True, "7", 1.5):
         with pytest.raises(LeaseConfigError):
             store.evict(key, token=bad)  # type: ignore[arg-type]
+
+
+def test_markers_keep_another_owners_extend_their_own_and_expire(store: LeaseStore) -> None:
+    from celery_lease.task import DEFER_MARKER
+    from tests.servers import wait_for
+
+    name = f"{DEFER_MARKER}{new_key('marker')}"
+    assert store.marker(name) is None
+    assert store.mark(name, A, ttl=2.0)
+    assert store.marker(name) == A
+    assert not store.mark(name, B, ttl=2.0)
+    assert store.marker(name) == A
+    assert store.mark(name, A, ttl=2.0)
+    wait_for(lambda: store.marker(name) is None, 30, "the marker to expire")
+    assert store.mark(name, B, ttl=30.0)
+    assert store.marker(name) == B

@@ -219,3 +219,30 @@ def test_sweep_keeps_registered_fences_for_leases_elsewhere(
         table.commit(a, "late")
     assert table.commit(b, "on time").token == b.token
     store.close()
+
+
+def test_sweep_deletes_a_deferral_markers_fence_and_keeps_a_real_keys(sql: SQL) -> None:
+    """A deferral marker (``store.mark``) is not a lease: once its row is swept its
+    fence row goes too (no row per deferral left forever), while an ordinary
+    key's fence stays."""
+    from celery_lease.task import DEFER_MARKER
+
+    store, table = sql.store, sql.table
+    marker = f"{DEFER_MARKER}{uuid.uuid4().hex}"
+    real = new_key("real")
+    assert store.mark(marker, "chain-1", ttl=1.0)
+    assert store.marker(marker) == "chain-1"
+    lease = store.claim(real, ttl=1.0, owner_id="w")
+    assert lease is not None
+    assert fence_row(sql.url, marker) is not None, "the SQL marker is kept as a lease row"
+    wait_for(lambda: store.marker(marker) is None, 20, "the marker to expire")
+    wait_until_expired(store, lease)
+
+    counts = table.sweep(result_expires=None, lease_grace=0)
+    assert counts["leases"] == 2, counts
+    assert not lease_row_exists(sql.url, marker)
+    assert fence_row(sql.url, marker) is None, "the marker's fence row outlived it"
+    assert not lease_row_exists(sql.url, real)
+    assert fence_row(sql.url, real) == lease.token, "a real key's fence is never swept"
+    again = store.claim(real, ttl=LONG_TTL, owner_id="after")
+    assert again is not None and again.token > lease.token

@@ -24,6 +24,8 @@ Layout, per key (the key as given, UTF-8, no hashing)::
     /{prefix}/fence/<key>   empty; put by every claim and evict, never deleted:
                             its mod_revision is the newest token issued
     /{prefix}/released/<key>  JSON {"owner", "token"} of the grant released last
+    /{prefix}/mark/<name>   an internal marker's owner, attached to an etcd lease
+                            of its TTL; no fence (see etcd_marks.py)
 
 Operations, each built on etcd's own primitives:
 
@@ -91,6 +93,7 @@ from celery_lease.stores.base import (
     redact_url,
     refuse_key_prefix_option,
 )
+from celery_lease.stores.etcd_marks import Markers
 from celery_lease.stores.etcd_renew import RenewAndRelease
 from celery_lease.stores.etcd_wire import (
     DEFAULT_MAX_TXN_OPS,
@@ -141,7 +144,7 @@ _NOT_FOUND = 5
 _MAX_KNOWN = 10_000
 
 
-class EtcdLeaseStore(RenewAndRelease, LeaseStore):
+class EtcdLeaseStore(Markers, RenewAndRelease, LeaseStore):
     """Leases in etcd (see the module docstring for the layout and guarantees)."""
 
     takes_key_prefix = True

@@ -13,6 +13,9 @@
   ``lease_key="{doc}"``, ``lease_tenant="{tenant}"``;
 - ``tenantapp.guarded(doc, tenant, caller, tag="")``: the same, with a
   ``lease_authorize`` hook that allows a caller only into its own tenant;
+- ``tenantapp.once_for(doc, tenant, sleep=0, tag="")``: ``once`` over
+  ``lease_key="{doc}"``, ``lease_tenant="{tenant}"``, rejecting both a conflict
+  and a duplicate (the failure messages a tenant's caller sees);
 - ``tenantapp.plain(x)``: no templates at all (default key; headers scope it);
 - ``tenantapp.many(n)``: a key callable giving ``n`` keys.
 """
@@ -123,6 +126,21 @@ def build_tenant(environ: Any) -> tuple[Any, Any]:
     def many(self: Any, n: int) -> Any:
         return len(self.lease.keys)
 
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="tenantapp.once_for",
+        lease_key="{doc}",
+        lease_tenant="{tenant}",
+        lease_mode="once",
+        lease_on_conflict="reject",
+        lease_on_duplicate="reject",
+    )
+    def once_for(self: Any, doc: str, tenant: str, sleep: float = 0.0, tag: str = "") -> Any:
+        return {**_body(self, doc, sleep, tag, log), "tenant": tenant}
+
+    tasks.once_for = once_for
     tasks.report_for = report_for
     tasks.guarded = guarded
     tasks.plain = plain
