@@ -70,6 +70,7 @@ from celery_lease.keys import INTERNAL_PREFIX, shorten
 from celery_lease.sql import Conn, database
 from celery_lease.sql import queries as q
 from celery_lease.sql.dialects import PG_REGISTER_FENCE_PY, key_params
+from celery_lease.sql.migrate import ensure_schema
 from celery_lease.stores.base import (
     Lease,
     LeaseStore,
@@ -78,6 +79,7 @@ from celery_lease.stores.base import (
     make_lease,
     normalize_keys,
 )
+from celery_lease.stores.sql import SQLLeaseStore, claim_params
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -178,12 +180,10 @@ class ResultTable:
         max_bytes: int | None = None,
     ) -> None:
         self.db = database(url)
-        self.db.ensure_schema()
+        ensure_schema(self.db)
         self.url = self.db.url
         self.store = store
         self.max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
-        from celery_lease.stores.sql import SQLLeaseStore
-
         self.colocated = isinstance(store, SQLLeaseStore) and store.db is self.db
 
     # -- before the body ---------------------------------------------------
@@ -229,8 +229,6 @@ class ResultTable:
         the store and call :meth:`prepare` (it may refuse a granted lease,
         which the caller must then release).
         """
-        from celery_lease.stores.sql import SQLLeaseStore, claim_params
-
         if not (self.colocated and isinstance(self.store, SQLLeaseStore)):
             raise LeaseConfigError("claim_prepared needs the leases in the result database")
         if not self.db.is_sqlite:
