@@ -63,27 +63,7 @@ def commit_colocated(
     db = table.db
     once = mode == "once"
     if not db.is_sqlite:
-        n = len(lease.keys)
-        if n == 1:
-            out = db.pg_first(q.PG_COMMIT_COLOCATED_PY[release, once, True], row)
-        else:
-            params = {**row, "keys": list(lease.keys), "n": n}
-            out = db.pg_first(q.PG_COMMIT_COLOCATED_PY[release, once, False], params)
-        if out is None:  # never: the statement selects one row of scalars
-            raise LeaseError("expected exactly one row, the database returned 0")
-        owned, duplicate_token, accepted = out
-        if int(owned) != len(lease.keys):
-            raise StaleFencingToken(
-                lease.key,
-                lease.token,
-                _current_token(table, lease.key),
-                "the lease is no longer held by this owner",
-            )
-        if accepted is None:
-            raise DuplicateResult(
-                lease.key, None if duplicate_token is None else int(duplicate_token)
-            )
-        return float(accepted)
+        return _commit_colocated_pg(table, lease, row, once, release)
     own = db.sql.result_own_lease(release, len(lease.keys))
     params = key_params(lease.keys)
     params.update(owner_id=lease.owner_id, token=lease.token)
@@ -106,6 +86,31 @@ def commit_colocated(
     if duplicate is not None:
         raise duplicate
     return accepted_at
+
+
+def _commit_colocated_pg(
+    table: ResultTable, lease: Lease, row: dict[str, Any], once: bool, release: bool
+) -> float:
+    """PostgreSQL: the check, the release and the insert in one statement, one round trip."""
+    n = len(lease.keys)
+    if n == 1:
+        out = table.db.pg_first(q.PG_COMMIT_COLOCATED_PY[release, once, True], row)
+    else:
+        params = {**row, "keys": list(lease.keys), "n": n}
+        out = table.db.pg_first(q.PG_COMMIT_COLOCATED_PY[release, once, False], params)
+    if out is None:  # never: the statement selects one row of scalars
+        raise LeaseError("expected exactly one row, the database returned 0")
+    owned, duplicate_token, accepted = out
+    if int(owned) != n:
+        raise StaleFencingToken(
+            lease.key,
+            lease.token,
+            _current_token(table, lease.key),
+            "the lease is no longer held by this owner",
+        )
+    if accepted is None:
+        raise DuplicateResult(lease.key, None if duplicate_token is None else int(duplicate_token))
+    return float(accepted)
 
 
 def commit_remote(

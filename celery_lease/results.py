@@ -333,17 +333,7 @@ class ResultTable:
             raise LeaseConfigError(f"lease_mode must be one of {MODES}, got {mode!r}")
         if encoded is None:
             encoded = encode_result(value, task_name=task_name, max_bytes=self.max_bytes)
-        tenant = tenant if tenant is not None else lease.meta.get("tenant")
-        row: dict[str, Any] = {
-            "key": lease.key,
-            "token": lease.token,
-            "task_id": task_id if task_id is not None else lease.meta.get("task_id"),
-            "task_name": task_name if task_name is not None else lease.meta.get("task_name"),
-            "owner_id": lease.owner_id,
-            "tenant": tenant,
-            "root_id": root_id if root_id is not None else lease.meta.get("root_id"),
-            "result": encoded,
-        }
+        row = _result_row(lease, encoded, task_id, task_name, tenant, root_id)
         try:
             if self.colocated:
                 accepted_at = commit_colocated(self, lease, row, mode, release)
@@ -368,7 +358,7 @@ class ResultTable:
             json.loads(encoded),
             accepted_at,
             row["task_name"],
-            tenant,
+            row["tenant"],
             row["root_id"],
         )
 
@@ -451,6 +441,28 @@ class ResultTable:
         ``lease_grace`` would delete the rows of live leases.
         """
         return sweep_table(self.db, result_expires, lease_grace)
+
+
+def _result_row(
+    lease: Lease,
+    encoded: str,
+    task_id: str | None,
+    task_name: str | None,
+    tenant: str | None,
+    root_id: str | None,
+) -> dict[str, Any]:
+    """The row a commit inserts; what the caller leaves None comes from the lease's meta."""
+    meta = lease.meta
+    return {
+        "key": lease.key,
+        "token": lease.token,
+        "task_id": task_id if task_id is not None else meta.get("task_id"),
+        "task_name": task_name if task_name is not None else meta.get("task_name"),
+        "owner_id": lease.owner_id,
+        "tenant": tenant if tenant is not None else meta.get("tenant"),
+        "root_id": root_id if root_id is not None else meta.get("root_id"),
+        "result": encoded,
+    }
 
 
 def accepted(key: str, tenant: str | None = None, *, url: str) -> AcceptedResult | None:

@@ -151,23 +151,7 @@ class EtcdLeaseStore(RenewAndRelease, LeaseStore):
                 "the etcd lease store needs the etcd3gw client: pip install 'celery-lease[etcd]'"
             )
         protocol, endpoints = parse_endpoints(url)
-        try:
-            prefix_bytes = key_prefix.encode() if isinstance(key_prefix, str) else b""
-        except UnicodeEncodeError:
-            prefix_bytes = b""
-        if not prefix_bytes or b"\x00" in prefix_bytes:
-            raise LeaseConfigError(f"key_prefix must be a non-empty string, got {key_prefix!r}")
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not 0 < timeout < math.inf
-        ):
-            raise LeaseConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if isinstance(max_txn_ops, bool) or not isinstance(max_txn_ops, int) or max_txn_ops < 3:
-            raise LeaseConfigError(
-                "max_txn_ops must be an integer of at least 3, the etcd servers' "
-                f"--max-txn-ops (etcd's default: {DEFAULT_MAX_TXN_OPS}), got {max_txn_ops!r}"
-            )
+        prefix_bytes = _check_settings(key_prefix, timeout, max_txn_ops)
         tls = tls_options(url, protocol, options)
         self.prefix = key_prefix
         self.timeout = float(timeout)
@@ -251,24 +235,7 @@ class EtcdLeaseStore(RenewAndRelease, LeaseStore):
         claimed: Lease | None = None
         try:
             for _ in range(3):
-                compare = [
-                    cmp_op(self.lease_name(k), "MOD", own[k])
-                    if k in own
-                    else cmp_op(self.lease_name(k), "CREATE", 0)
-                    for k in keys
-                ]
-                success = [
-                    {
-                        "request_put": {
-                            "key": b64(self.lease_name(k)),
-                            "value": value,
-                            "lease": str(lease_id),
-                        }
-                    }
-                    for k in keys
-                ] + [{"request_put": {"key": b64(self.fence_name(k))}} for k in keys]
-                failure = [{"request_range": {"key": b64(self.lease_name(k))}} for k in keys]
-                reply = self._txn(compare, success, failure)
+                reply = self._txn(*self._claim_ops(keys, own, value, lease_id))
                 if reply.get("succeeded"):
                     for old in superseded - {lease_id}:
                         self._revoke(old)
@@ -290,6 +257,31 @@ class EtcdLeaseStore(RenewAndRelease, LeaseStore):
                 # the etcd lease must not block the retry.
                 self._revoke(lease_id)
         return None
+
+    def _claim_ops(
+        self, keys: tuple[str, ...], own: Mapping[str, int], value: str, lease_id: int
+    ) -> tuple[builtins.list[dict[str, Any]], ...]:
+        """A claim's transaction: ``(compare, success, failure)``. Every lease key
+        absent, or (``own``) unchanged since read; then put each lease key on the
+        etcd lease and each fence key; else read the lease keys."""
+        compare = [
+            cmp_op(self.lease_name(k), "MOD", own[k])
+            if k in own
+            else cmp_op(self.lease_name(k), "CREATE", 0)
+            for k in keys
+        ]
+        success = [
+            {
+                "request_put": {
+                    "key": b64(self.lease_name(k)),
+                    "value": value,
+                    "lease": str(lease_id),
+                }
+            }
+            for k in keys
+        ] + [{"request_put": {"key": b64(self.fence_name(k))}} for k in keys]
+        failure = [{"request_range": {"key": b64(self.lease_name(k))}} for k in keys]
+        return compare, success, failure
 
     # -- reading -----------------------------------------------------------
 
@@ -414,3 +406,25 @@ class EtcdLeaseStore(RenewAndRelease, LeaseStore):
             found = ranges(self._txn([], ops, []))
             out.update((k, (found[2 * i], found[2 * i + 1])) for i, k in enumerate(part))
         return out
+
+
+def _check_settings(key_prefix: Any, timeout: Any, max_txn_ops: Any) -> bytes:
+    """Refuse a bad ``key_prefix`` / ``timeout`` / ``max_txn_ops``; the prefix as bytes."""
+    try:
+        prefix_bytes = key_prefix.encode() if isinstance(key_prefix, str) else b""
+    except UnicodeEncodeError:
+        prefix_bytes = b""
+    if not prefix_bytes or b"\x00" in prefix_bytes:
+        raise LeaseConfigError(f"key_prefix must be a non-empty string, got {key_prefix!r}")
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout < math.inf
+    ):
+        raise LeaseConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(max_txn_ops, bool) or not isinstance(max_txn_ops, int) or max_txn_ops < 3:
+        raise LeaseConfigError(
+            "max_txn_ops must be an integer of at least 3, the etcd servers' "
+            f"--max-txn-ops (etcd's default: {DEFAULT_MAX_TXN_OPS}), got {max_txn_ops!r}"
+        )
+    return prefix_bytes
