@@ -283,11 +283,16 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, Any]:
 
 
 def _install_sql_trace() -> None:
-    """Count every statement SQLite runs (BEGIN and COMMIT included)."""
+    """Count every statement SQLite runs (BEGIN and COMMIT included), and
+    PostgreSQL's round trips in celery-lease's driver layer (off by default)."""
     import sqlite3
 
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
+
+    from celery_lease.sql import count_pg_traffic
+
+    count_pg_traffic()
 
     def count(stmt: str) -> None:
         _sql_statements[0] += 1

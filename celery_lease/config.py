@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 from celery_lease.appstate import app_state
 from celery_lease.exceptions import LeaseConfigError
 from celery_lease.keys import KeyLimits
+from celery_lease.renewal import check_schedule
+from celery_lease.stores.base import MAX_TTL
 from celery_lease.stores.registry import is_sql_url, known_schemes, store_class
 from celery_lease.urls import redact_url, scheme_of
 
@@ -66,8 +68,6 @@ def check_renew_interval(
     ``name`` is the interval's name in the error, ``ttl_name`` and
     ``drift_name`` the others'.
     """
-    from celery_lease.renewal import check_schedule
-
     if renew is not None and renew > ttl / 2:
         raise LeaseConfigError(
             f"{name} ({renew}) must be at most half the TTL ({ttl}) so a renewal can fail "
@@ -78,8 +78,6 @@ def check_renew_interval(
 
 def check_max_ttl(ttl: float, name: str) -> None:
     """Refuse a TTL over :data:`celery_lease.stores.base.MAX_TTL` (one year)."""
-    from celery_lease.stores.base import MAX_TTL
-
     if ttl > MAX_TTL:
         raise LeaseConfigError(f"{name} must be at most {MAX_TTL:.0f} (one year), got {ttl!r}")
 

@@ -42,16 +42,16 @@ unit of work: at most one accepted row per key, every later commit raises
 
 Results are JSON only (never a Python-object serializer) and size-limited; a value that
 cannot be stored fails before anything is written.
+
+This module is the table's API and its reads; the two commit transactions are
+in :mod:`celery_lease.result_commit`, retention in :mod:`celery_lease.result_sweep`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
-import random
 import re
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -64,12 +64,14 @@ from celery_lease.exceptions import (
     ResultNotSerializable,
     ResultTooLarge,
     StaleFencingToken,
-    StoreUnavailable,
 )
-from celery_lease.keys import INTERNAL_PREFIX, shorten
-from celery_lease.sql import Conn, database
+from celery_lease.keys import shorten
+from celery_lease.result_commit import commit_colocated, commit_remote
+from celery_lease.result_sweep import sweep as sweep_table
+from celery_lease.sql import database
 from celery_lease.sql import queries as q
-from celery_lease.sql.dialects import PG_REGISTER_FENCE_PY, key_params
+from celery_lease.sql.dialects import PG_REGISTER_FENCE_PY
+from celery_lease.sql.migrate import ensure_schema
 from celery_lease.stores.base import (
     Lease,
     LeaseStore,
@@ -78,6 +80,7 @@ from celery_lease.stores.base import (
     make_lease,
     normalize_keys,
 )
+from celery_lease.stores.sql import SQLLeaseStore, claim_params
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
@@ -178,12 +181,10 @@ class ResultTable:
         max_bytes: int | None = None,
     ) -> None:
         self.db = database(url)
-        self.db.ensure_schema()
+        ensure_schema(self.db)
         self.url = self.db.url
         self.store = store
         self.max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
-        from celery_lease.stores.sql import SQLLeaseStore
-
         self.colocated = isinstance(store, SQLLeaseStore) and store.db is self.db
 
     # -- before the body ---------------------------------------------------
@@ -229,8 +230,6 @@ class ResultTable:
         the store and call :meth:`prepare` (it may refuse a granted lease,
         which the caller must then release).
         """
-        from celery_lease.stores.sql import SQLLeaseStore, claim_params
-
         if not (self.colocated and isinstance(self.store, SQLLeaseStore)):
             raise LeaseConfigError("claim_prepared needs the leases in the result database")
         if not self.db.is_sqlite:
@@ -334,22 +333,12 @@ class ResultTable:
             raise LeaseConfigError(f"lease_mode must be one of {MODES}, got {mode!r}")
         if encoded is None:
             encoded = encode_result(value, task_name=task_name, max_bytes=self.max_bytes)
-        tenant = tenant if tenant is not None else lease.meta.get("tenant")
-        row: dict[str, Any] = {
-            "key": lease.key,
-            "token": lease.token,
-            "task_id": task_id if task_id is not None else lease.meta.get("task_id"),
-            "task_name": task_name if task_name is not None else lease.meta.get("task_name"),
-            "owner_id": lease.owner_id,
-            "tenant": tenant,
-            "root_id": root_id if root_id is not None else lease.meta.get("root_id"),
-            "result": encoded,
-        }
+        row = _result_row(lease, encoded, task_id, task_name, tenant, root_id)
         try:
             if self.colocated:
-                accepted_at = self._commit_colocated(lease, row, mode, release)
+                accepted_at = commit_colocated(self, lease, row, mode, release)
             else:
-                accepted_at = self._commit_remote(lease, row, mode, release)
+                accepted_at = commit_remote(self, lease, row, mode, release)
         except (StaleFencingToken, DuplicateResult):
             # A retry of a commit whose reply was lost: refused as stale once the
             # lease is gone, or (lease still held) found as this token's own row.
@@ -369,133 +358,9 @@ class ResultTable:
             json.loads(encoded),
             accepted_at,
             row["task_name"],
-            tenant,
+            row["tenant"],
             row["root_id"],
         )
-
-    def _insert(
-        self, conn: Conn, row: dict[str, Any], once: bool, *, commit: bool = False
-    ) -> float:
-        """Insert the result row (the caller holds the key's lock); its accepted_at.
-
-        ``commit``: the insert ends the transaction (sent with its COMMIT, one
-        round trip on PostgreSQL).
-
-        Raises :class:`DuplicateResult` when nothing was written: once mode found
-        an accepted row for the key, or this very commit was accepted earlier
-        (``commit()`` tells the two apart).
-        """
-        sql = self.db.sql.result_insert[once]
-        inserted = conn.commit_after(sql, row) if commit else conn.execute(sql, row)
-        accepted_at = inserted.scalar()
-        if accepted_at is None:
-            duplicate = conn.execute(q.RESULT_DUPLICATE, {"key": row["key"]}).scalar()
-            raise DuplicateResult(row["key"], None if duplicate is None else int(duplicate))
-        return float(accepted_at)
-
-    def _now(self, conn: Conn) -> float:
-        return conn.now()
-
-    def _commit_colocated(
-        self, lease: Lease, row: dict[str, Any], mode: str, release: bool
-    ) -> float:
-        once = mode == "once"
-        if not self.db.is_sqlite:
-            n = len(lease.keys)
-            if n == 1:
-                out = self.db.pg_first(q.PG_COMMIT_COLOCATED_PY[release, once, True], row)
-            else:
-                params = {**row, "keys": list(lease.keys), "n": n}
-                out = self.db.pg_first(q.PG_COMMIT_COLOCATED_PY[release, once, False], params)
-            if out is None:  # never: the statement selects one row of scalars
-                raise LeaseError("expected exactly one row, the database returned 0")
-            owned, duplicate_token, accepted = out
-            if int(owned) != len(lease.keys):
-                raise StaleFencingToken(
-                    lease.key,
-                    lease.token,
-                    self._current_token(lease.key),
-                    "the lease is no longer held by this owner",
-                )
-            if accepted is None:
-                raise DuplicateResult(
-                    lease.key, None if duplicate_token is None else int(duplicate_token)
-                )
-            return float(accepted)
-        own = self.db.sql.result_own_lease(release, len(lease.keys))
-        params = key_params(lease.keys)
-        params.update(owner_id=lease.owner_id, token=lease.token)
-        duplicate: DuplicateResult | None = None
-        with self.db.transaction() as conn:
-            now = self._now(conn)
-            owned = len(conn.execute(own, {**params, "now": now}).all())
-            if owned != len(lease.keys):
-                conn.rollback()
-                raise StaleFencingToken(
-                    lease.key,
-                    lease.token,
-                    self._current_token(lease.key),
-                    "the lease is no longer held by this owner",
-                )
-            try:
-                accepted_at = self._insert(conn, row, once)
-            except DuplicateResult as e:
-                duplicate = e  # the release above still commits
-        if duplicate is not None:
-            raise duplicate
-        return accepted_at
-
-    def _commit_remote(self, lease: Lease, row: dict[str, Any], mode: str, release: bool) -> float:
-        if self.store is None:
-            raise LeaseConfigError("a ResultTable needs the lease store to commit leases from it")
-        lock = self.db.sql.lock_fence
-        released = False
-        try:
-            with self.db.transaction() as conn:
-                fence = conn.execute(lock, {"key": lease.key}).scalar()
-                if fence is None or int(fence) < lease.token:
-                    # Never registered (or registration lost): register now, under the lock.
-                    conn.execute(
-                        q.RAISE_FENCE,
-                        {"key": lease.key, "token": lease.token, "now": self._now(conn)},
-                    )
-                    conn.execute(lock, {"key": lease.key}).scalar()
-                elif int(fence) > lease.token:
-                    conn.rollback()
-                    raise StaleFencingToken(
-                        lease.key, lease.token, int(fence), "a newer owner claimed the key"
-                    )
-                # The lease store's answer, while this transaction holds the fence row.
-                still_owner = self.store.release(lease) if release else self.store.renew(lease)
-                released = release and still_owner
-                if not still_owner:
-                    conn.rollback()
-                    raise StaleFencingToken(
-                        lease.key,
-                        lease.token,
-                        self.store.fence_token(lease.key),
-                        "the lease expired or was taken over before the commit",
-                    )
-                return self._insert(conn, row, mode == "once", commit=True)
-        except DuplicateResult:
-            if release and not released:
-                self._release_quietly(lease)
-            raise
-
-    def _release_quietly(self, lease: Lease) -> None:
-        assert self.store is not None
-        try:
-            self.store.release(lease)
-        except StoreUnavailable:
-            logger.warning(
-                "could not release after a duplicate; it will expire",
-                extra={"action": "release_failed", "lease_key": lease.key},
-            )
-
-    def _current_token(self, key: str) -> int | None:
-        if self.store is not None:
-            return self.store.fence_token(key)
-        return self.fence(key)
 
     def raise_fence(self, key: str, token: int) -> None:
         """Raise this database's fence for ``key`` to at least ``token`` (never lowers it).
@@ -503,7 +368,7 @@ class ResultTable:
         Used after a force release, so the evicted owner's guarded writes are refused.
         """
         with self.db.transaction() as conn:
-            conn.execute(q.RAISE_FENCE, {"key": key, "token": token, "now": self._now(conn)})
+            conn.execute(q.RAISE_FENCE, {"key": key, "token": token, "now": conn.now()})
 
     # -- reading -----------------------------------------------------------
 
@@ -575,54 +440,29 @@ class ResultTable:
         None): a negative one puts the cutoff in the future, and a negative
         ``lease_grace`` would delete the rows of live leases.
         """
-        _check_seconds("lease_grace", lease_grace)
-        if result_expires is not None:
-            _check_seconds("result_expires", result_expires)
-        delay, attempts = 0.05, 1
-        while True:
-            try:
-                return self._sweep_once(result_expires, lease_grace)
-            except StoreUnavailable:
-                # A deadlock with a claim: single-key claims lock a lease row,
-                # then its fence row; multi-key claims the fence rows first. No
-                # order of the sweep's avoids both, so it gives way and retries.
-                if attempts >= _SWEEP_ATTEMPTS:
-                    raise
-                attempts += 1
-                time.sleep(delay * random.uniform(0.5, 1.5))
-                delay *= 2
-
-    def _sweep_once(self, result_expires: float | None, lease_grace: float) -> dict[str, int]:
-        with self.db.transaction() as conn:
-            now = self._now(conn)
-            swept_results = 0
-            if result_expires is not None:
-                swept_results = conn.execute(
-                    q.SWEEP_RESULTS, {"cutoff": now - result_expires}
-                ).rowcount
-            cutoff = now - lease_grace
-            internal = {"internal": INTERNAL_PREFIX, "internal_len": len(INTERNAL_PREFIX)}
-            conn.execute(q.SWEEP_KEEP_FENCES, {"cutoff": cutoff, "now": now, **internal})
-            conn.execute(q.SWEEP_INTERNAL_FENCES, {"cutoff": cutoff, **internal})
-            swept_leases = conn.execute(q.SWEEP_LEASES, {"cutoff": cutoff}).rowcount
-        logger.info(
-            "swept",
-            extra={"action": "sweep", "results": swept_results, "leases": swept_leases},
-        )
-        return {"results": swept_results, "leases": swept_leases}
+        return sweep_table(self.db, result_expires, lease_grace)
 
 
-_SWEEP_ATTEMPTS = 5
-
-
-def _check_seconds(name: str, value: Any) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
-        raise LeaseConfigError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+def _result_row(
+    lease: Lease,
+    encoded: str,
+    task_id: str | None,
+    task_name: str | None,
+    tenant: str | None,
+    root_id: str | None,
+) -> dict[str, Any]:
+    """The row a commit inserts; what the caller leaves None comes from the lease's meta."""
+    meta = lease.meta
+    return {
+        "key": lease.key,
+        "token": lease.token,
+        "task_id": task_id if task_id is not None else meta.get("task_id"),
+        "task_name": task_name if task_name is not None else meta.get("task_name"),
+        "owner_id": lease.owner_id,
+        "tenant": tenant if tenant is not None else meta.get("tenant"),
+        "root_id": root_id if root_id is not None else meta.get("root_id"),
+        "result": encoded,
+    }
 
 
 def accepted(key: str, tenant: str | None = None, *, url: str) -> AcceptedResult | None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_lease.sql import functions, queries
+from celery_lease.sql import PG_TRAFFIC, count_pg_traffic, database, functions, queries
 from celery_lease.sql.dialects import DIALECTS, rendered
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,3 +53,24 @@ def test_the_claim_functions_claim_is_the_client_claim() -> None:
     register = " ".join(DIALECTS["postgresql"].register_fence.split())
     inside = re.sub(r"\bp_(\w+)", r":\1", functions.CREATE_REGISTER_LOOKUP)
     assert register + " INTO v;" in " ".join(inside.split())
+
+
+def test_pg_traffic_is_counted_only_once_asked(pg_url: str) -> None:
+    """PG_TRAFFIC counts round trips and statements for the benchmarks, which opt in;
+    without count_pg_traffic() the driver layer counts nothing."""
+    db = database(pg_url)
+    db.now()  # a connection in the free list, so the calls below are one round trip each
+    before = dict(PG_TRAFFIC)
+    db.now()  # Conn's path
+    db.pg_first("SELECT 1", {})  # the autocommit fast path
+    assert PG_TRAFFIC == before
+    count_pg_traffic()
+    try:
+        db.now()
+        db.pg_first("SELECT 1", {})
+        with db.transaction() as conn:  # BEGIN rides with the first statement: one round trip
+            conn.now()
+    finally:
+        count_pg_traffic(False)
+    assert PG_TRAFFIC["round_trips"] - before["round_trips"] >= 3
+    assert PG_TRAFFIC["statements"] - before["statements"] >= 4

@@ -13,6 +13,14 @@
 from __future__ import annotations
 
 from celery_lease.sql.driver import Database, database, normalize_sql_url
-from celery_lease.sql.pool import PG_TRAFFIC, Conn, Rows
+from celery_lease.sql.pool import PG_TRAFFIC, Conn, Rows, count_pg_traffic
 
-__all__ = ["PG_TRAFFIC", "Conn", "Database", "Rows", "database", "normalize_sql_url"]
+__all__ = [
+    "PG_TRAFFIC",
+    "Conn",
+    "Database",
+    "Rows",
+    "count_pg_traffic",
+    "database",
+    "normalize_sql_url",
+]

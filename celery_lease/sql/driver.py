@@ -98,7 +98,7 @@ class Database:
             self.pg_row_factory = namedtuple_row  # rows with attribute access (Conn)
             self.pg_tuple_row = tuple_row  # the free list's cursors: plain tuples
         self._pool = _Pool(self)
-        self._migrated = False
+        self._migrated = False  # set by celery_lease.sql.migrate.ensure_schema
         _after_fork_dispose(self)
 
     def in_transaction(self, raw: Any) -> bool:
@@ -175,15 +175,6 @@ class Database:
         """The database's clock, in epoch seconds."""
         with self.single() as conn:
             return conn.now()
-
-    def ensure_schema(self) -> None:
-        """SQLite only: apply the migrations on first use (the embedded default)."""
-        if self._migrated or not self.is_sqlite:
-            return
-        from celery_lease.sql.migrate import migrate
-
-        migrate(self.url, _database=self)
-        self._migrated = True
 
 
 def _sqlite_listeners(engine: Engine) -> None:

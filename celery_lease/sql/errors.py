@@ -7,6 +7,7 @@ from __future__ import annotations
 from sqlalchemy import exc
 
 from celery_lease.exceptions import LeaseConfigError, LeaseError, StoreUnavailable
+from celery_lease.urls import redact_url
 
 __all__ = ["SQLITE_CODES", "SQLSTATES", "translate_error"]
 
@@ -64,8 +65,6 @@ def translate_error(
     class (``unavailable``: OperationalError, InterfaceError); tables of ours
     missing are a LeaseConfigError.
     """
-    from celery_lease.stores.base import redact_url
-
     invalidated = False
     if isinstance(e, exc.DBAPIError):
         invalidated = bool(e.connection_invalidated)

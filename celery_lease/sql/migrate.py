@@ -11,7 +11,7 @@ from typing import Any
 from celery_lease.schema import VERSION_TABLE
 from celery_lease.sql.driver import Database, database
 
-__all__ = ["check", "downgrade", "migrate"]
+__all__ = ["check", "downgrade", "ensure_schema", "migrate"]
 
 
 def _alembic_config(url: str) -> Any:
@@ -56,6 +56,14 @@ def migrate(url: str, revision: str = "head", *, _database: Database | None = No
         finally:
             conn.exec_driver_sql("SELECT pg_advisory_unlock(7244231)")
             conn.commit()
+
+
+def ensure_schema(db: Database) -> None:
+    """SQLite only: apply the migrations on first use (the embedded default)."""
+    if db._migrated or not db.is_sqlite:
+        return
+    migrate(db.url, _database=db)
+    db._migrated = True
 
 
 def downgrade(url: str, revision: str = "base") -> None:

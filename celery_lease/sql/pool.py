@@ -36,7 +36,7 @@ from celery_lease.sql.queries import pyformat as _pyformat
 if TYPE_CHECKING:
     from celery_lease.sql.driver import Database
 
-__all__ = ["PG_TRAFFIC", "Conn", "Rows"]
+__all__ = ["PG_TRAFFIC", "Conn", "Rows", "count_pg_traffic"]
 
 
 @lru_cache(maxsize=256)
@@ -50,9 +50,19 @@ def _sqlite_row(cursor: Any, values: tuple[Any, ...]) -> Any:
 
 
 #: PostgreSQL traffic of this process's hot paths (:class:`Conn`): round trips,
-#: and the statements they carried (pipelining makes the two differ). Read by
-#: the benchmarks; plain counters, not locked (exact in a single thread).
+#: and the statements they carried (pipelining makes the two differ). Counted
+#: only after :func:`count_pg_traffic` (the benchmarks call it in their
+#: workers); plain counters, not locked (exact in a single thread).
 PG_TRAFFIC = {"round_trips": 0, "statements": 0}
+_counting = False
+
+
+def count_pg_traffic(enabled: bool = True) -> None:
+    """Count PostgreSQL round trips and statements in :data:`PG_TRAFFIC` from now on
+    (in this process and children forked later). Off by default: production
+    statements pay one flag test, not two counter updates."""
+    global _counting
+    _counting = enabled
 
 
 class Rows:
@@ -235,8 +245,9 @@ class Conn:
                 cur = raw.execute(sql, params or ())
                 out.append(Rows(cur.fetchall(), cur.rowcount))
             return out
-        PG_TRAFFIC["round_trips"] += 1
-        PG_TRAFFIC["statements"] += len(statements)
+        if _counting:
+            PG_TRAFFIC["round_trips"] += 1
+            PG_TRAFFIC["statements"] += len(statements)
         if len(statements) == 1:
             sql, params = statements[0]
             cur = self.cursor
@@ -321,8 +332,9 @@ class _Pool:
         done = False
         try:
             try:
-                PG_TRAFFIC["round_trips"] += 1
-                PG_TRAFFIC["statements"] += 1
+                if _counting:
+                    PG_TRAFFIC["round_trips"] += 1
+                    PG_TRAFFIC["statements"] += 1
                 cur.execute(sql, params)
             except db.driver_error:
                 if not (reused and db.is_gone(raw)):
@@ -331,8 +343,9 @@ class _Pool:
                 _close_quietly(raw, db.driver_error)
                 raw = cur = None
                 raw, cur = pool.connect()
-                PG_TRAFFIC["round_trips"] += 1
-                PG_TRAFFIC["statements"] += 1
+                if _counting:
+                    PG_TRAFFIC["round_trips"] += 1
+                    PG_TRAFFIC["statements"] += 1
                 cur.execute(sql, params)
             # RETURNING rows: rowcount is their number, so nothing is fetched to count them.
             out = cur.fetchone() if first else cur.rowcount

@@ -48,12 +48,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from celery_lease.exceptions import LeaseConfigError, LeaseNotAcquired
 from celery_lease.keys import has_unstorable, shorten
+from celery_lease.renewal import HeldLease, check_schedule, renewer
 from celery_lease.stores.registry import ENTRY_POINT_GROUP, known_schemes, store_class
 from celery_lease.urls import redact_url, scheme_of
 
 if TYPE_CHECKING:
     from celery_lease.config import Config
-    from celery_lease.renewal import HeldLease
 
 __all__ = [
     "MAX_TTL",
@@ -368,8 +368,6 @@ class LeaseStore(ABC):
         Inside the block, ``lease.held`` turns False and ``lease.ensure()``
         raises :class:`LeaseLost` once ownership is gone.
         """
-        from celery_lease.renewal import HeldLease, check_schedule, renewer
-
         # Before the claim: a lease whose renewals cannot keep it is never made.
         check_schedule(check_ttl(ttl), renew_interval, clock_drift)
         sent = time.monotonic()

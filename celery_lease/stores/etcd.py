@@ -15,7 +15,8 @@ store's names, are accepted too), ``timeout`` (seconds per request, default
 5), ``max_txn_ops`` (the members' ``--max-txn-ops``, default 128, etcd's
 default) and ``key_prefix``. Requests go to one member; a member that refuses the
 connection is skipped at once, and after any other transport error the next
-request goes to the next member.
+request goes to the next member (the requests and their errors:
+:mod:`celery_lease.stores.etcd_client`).
 
 Layout, per key (the key as given, UTF-8, no hashing)::
 
@@ -78,14 +79,12 @@ from __future__ import annotations
 
 import base64
 import builtins
-import json
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from celery_lease.exceptions import LeaseConfigError, LeaseError, StoreUnavailable
+from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
 from celery_lease.stores.base import (
     Lease,
     LeaseRecord,
@@ -93,6 +92,7 @@ from celery_lease.stores.base import (
     redact_url,
     refuse_key_prefix_option,
 )
+from celery_lease.stores.etcd_client import Etcd3Client
 from celery_lease.stores.etcd_marks import Markers
 from celery_lease.stores.etcd_renew import RenewAndRelease
 from celery_lease.stores.etcd_wire import (
@@ -111,34 +111,9 @@ from celery_lease.stores.etcd_wire import (
     tls_options,
 )
 
-try:
-    import requests
-    from etcd3gw.client import Etcd3Client
-    from etcd3gw.exceptions import (
-        ConnectionFailedError,
-        ConnectionTimeoutError,
-        Etcd3Exception,
-        InternalServerError,
-    )
-except ImportError:  # pragma: no cover - exercised only without the extra
-    Etcd3Client = None  # type: ignore[assignment,misc]
-
 __all__ = ["EtcdLeaseStore", "parse_endpoints"]
 
 DEFAULT_TIMEOUT = 5.0
-#: The gRPC status codes (etcd's JSON errors carry them) that mean "not now"
-#: (StoreUnavailable), with the reason the error names; any other code is
-#: LeaseError (NOT_FOUND, a lease that is gone, is handled by the callers).
-#: Errors without a code are decided by their class (see ``errors``).
-_TRANSIENT_CODES: dict[int, str] = {
-    1: "the request was cancelled (a member stopping?)",  # CANCELLED
-    4: "the request timed out (a leader election, a slow quorum)",  # DEADLINE_EXCEEDED
-    8: "the cluster refuses writes (space quota alarm) or too many requests",  # EXHAUSTED
-    10: "the request was aborted",  # ABORTED
-    13: "a member's internal error",  # INTERNAL
-    14: "no leader, the leader changed, or the member is not ready",  # UNAVAILABLE
-}
-_NOT_FOUND = 5
 #: Grants whose etcd lease id this store object remembers (for renewals that
 #: send the keep-alive first, and for revoking after a repeated release).
 _MAX_KNOWN = 10_000
@@ -179,23 +154,7 @@ class EtcdLeaseStore(Markers, RenewAndRelease, LeaseStore):
                 "the etcd lease store needs the etcd3gw client: pip install 'celery-lease[etcd]'"
             )
         protocol, endpoints = parse_endpoints(url)
-        try:
-            prefix_bytes = key_prefix.encode() if isinstance(key_prefix, str) else b""
-        except UnicodeEncodeError:
-            prefix_bytes = b""
-        if not prefix_bytes or b"\x00" in prefix_bytes:
-            raise LeaseConfigError(f"key_prefix must be a non-empty string, got {key_prefix!r}")
-        if (
-            isinstance(timeout, bool)
-            or not isinstance(timeout, (int, float))
-            or not 0 < timeout < math.inf
-        ):
-            raise LeaseConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if isinstance(max_txn_ops, bool) or not isinstance(max_txn_ops, int) or max_txn_ops < 3:
-            raise LeaseConfigError(
-                "max_txn_ops must be an integer of at least 3, the etcd servers' "
-                f"--max-txn-ops (etcd's default: {DEFAULT_MAX_TXN_OPS}), got {max_txn_ops!r}"
-            )
+        prefix_bytes = _check_settings(key_prefix, timeout, max_txn_ops)
         tls = tls_options(url, protocol, options)
         self.prefix = key_prefix
         self.timeout = float(timeout)
@@ -279,24 +238,7 @@ class EtcdLeaseStore(Markers, RenewAndRelease, LeaseStore):
         claimed: Lease | None = None
         try:
             for _ in range(3):
-                compare = [
-                    cmp_op(self.lease_name(k), "MOD", own[k])
-                    if k in own
-                    else cmp_op(self.lease_name(k), "CREATE", 0)
-                    for k in keys
-                ]
-                success = [
-                    {
-                        "request_put": {
-                            "key": b64(self.lease_name(k)),
-                            "value": value,
-                            "lease": str(lease_id),
-                        }
-                    }
-                    for k in keys
-                ] + [{"request_put": {"key": b64(self.fence_name(k))}} for k in keys]
-                failure = [{"request_range": {"key": b64(self.lease_name(k))}} for k in keys]
-                reply = self._txn(compare, success, failure)
+                reply = self._txn(*self._claim_ops(keys, own, value, lease_id))
                 if reply.get("succeeded"):
                     for old in superseded - {lease_id}:
                         self._revoke(old)
@@ -318,6 +260,31 @@ class EtcdLeaseStore(Markers, RenewAndRelease, LeaseStore):
                 # the etcd lease must not block the retry.
                 self._revoke(lease_id)
         return None
+
+    def _claim_ops(
+        self, keys: tuple[str, ...], own: Mapping[str, int], value: str, lease_id: int
+    ) -> tuple[builtins.list[dict[str, Any]], ...]:
+        """A claim's transaction: ``(compare, success, failure)``. Every lease key
+        absent, or (``own``) unchanged since read; then put each lease key on the
+        etcd lease and each fence key; else read the lease keys."""
+        compare = [
+            cmp_op(self.lease_name(k), "MOD", own[k])
+            if k in own
+            else cmp_op(self.lease_name(k), "CREATE", 0)
+            for k in keys
+        ]
+        success = [
+            {
+                "request_put": {
+                    "key": b64(self.lease_name(k)),
+                    "value": value,
+                    "lease": str(lease_id),
+                }
+            }
+            for k in keys
+        ] + [{"request_put": {"key": b64(self.fence_name(k))}} for k in keys]
+        failure = [{"request_range": {"key": b64(self.lease_name(k))}} for k in keys]
+        return compare, success, failure
 
     # -- reading -----------------------------------------------------------
 
@@ -443,136 +410,24 @@ class EtcdLeaseStore(Markers, RenewAndRelease, LeaseStore):
             out.update((k, (found[2 * i], found[2 * i + 1])) for i, k in enumerate(part))
         return out
 
-    def _txn(
-        self,
-        compare: builtins.list[dict[str, Any]],
-        success: builtins.list[dict[str, Any]],
-        failure: builtins.list[dict[str, Any]],
-    ) -> dict[str, Any]:
-        try:
-            return self._post(
-                "kv/txn", {"compare": compare, "success": success, "failure": failure}
-            )
-        except _NotFound as e:  # a put naming an etcd lease that ran out meanwhile
-            raise StoreUnavailable(
-                f"etcd {redact_url(self.url)}: the etcd lease ran out before the transaction "
-                f"was applied (a slow request or an election): {e}"
-            ) from e
 
-    def _effective_ttl(self, ttl: float) -> int:
-        return max(math.ceil(ttl - 1e-9), self._min_ttl)
-
-    def _grant(self, ttl: float) -> tuple[int, int]:
-        want = self._effective_ttl(ttl)
-        reply = self._post("lease/grant", {"TTL": want, "ID": 0})
-        granted = int(reply.get("TTL", 0))
-        if reply.get("error") or granted <= 0:
-            raise LeaseError(f"etcd {redact_url(self.url)} refused a lease grant: {reply}")
-        if granted > want:
-            self._min_ttl = max(self._min_ttl, granted)
-        return int(reply["ID"]), granted
-
-    def _keepalive(self, lease_id: int) -> int | None:
-        """Refresh the etcd lease; its TTL, or None once it is gone."""
-        reply = self._post("lease/keepalive", {"ID": str(lease_id)})
-        left = int(reply.get("result", {}).get("TTL", -1))
-        return left if left > 0 else None
-
-    def _time_to_live(self, lease_id: int) -> tuple[int, int]:
-        """``(remaining TTL in whole seconds, rounded down; granted TTL)``; (-1, 0) if gone."""
-        if not lease_id:
-            return -1, 0
-        reply = self._post("kv/lease/timetolive", {"ID": str(lease_id)})
-        # proto3 JSON leaves zeros out: no "TTL" is 0 s left (rounded down);
-        # a lease that is gone has TTL -1 and no grantedTTL.
-        return int(reply.get("TTL", 0)), int(reply.get("grantedTTL", 0))
-
-    def _revoke(self, lease_id: int) -> bool:
-        """Revoke an etcd lease (cleanup: best effort; it expires by itself otherwise)."""
-        try:
-            self._post("kv/lease/revoke", {"ID": str(lease_id)})
-        except _NotFound:
-            return False
-        except StoreUnavailable:
-            return False
-        return True
-
-    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        """POST to the current member; skip to the next one while members refuse connections."""
-        with self.errors():
-            clients = self._members.clients()  # this process's own (rebuilt after fork)
-            n = len(clients)
-            for attempt in range(n):
-                index = self._members.current
-                client = clients[index]
-                try:
-                    reply: dict[str, Any] = client.post(
-                        client.get_url(path), json=payload, **self._verify
-                    )
-                    return reply
-                except (ConnectionFailedError, ConnectionTimeoutError) as e:
-                    self._members.skip(index)
-                    if not _never_sent(e) or attempt == n - 1:
-                        raise
-            raise AssertionError("unreachable")
-
-    @contextmanager
-    def errors(self) -> Iterator[None]:
-        """Translate etcd3gw errors into celery-lease's (the one place that does)."""
-        try:
-            yield
-        except Etcd3Exception as e:
-            code = _code(e)
-            if code == _NOT_FOUND:
-                raise _NotFound(_detail(e)) from e
-            where = redact_url(self.url)
-            reason = _TRANSIENT_CODES.get(code) if code is not None else None
-            if reason is None and isinstance(
-                e, (ConnectionFailedError, ConnectionTimeoutError, InternalServerError)
-            ):
-                # No connection, HTTP 503/504/500 without a gRPC status, a timeout
-                reason = "unreachable"
-            if reason is not None:
-                raise StoreUnavailable(f"etcd {where} unavailable: {reason}: {_detail(e)}") from e
-            raise LeaseError(f"etcd {where}: {_detail(e)}") from e
-        except ValueError as e:  # a reply that is not JSON: not an etcd gateway
-            raise LeaseError(f"etcd {redact_url(self.url)}: unexpected reply: {e}") from e
-
-
-class _NotFound(LeaseError):
-    """etcd answered NOT_FOUND (a lease that is gone)."""
-
-
-# -- helpers -------------------------------------------------------------------
-
-
-def _never_sent(exc: BaseException) -> bool:
-    """True when the request never reached the member (connection refused or timed out)."""
-    cause = exc.__context__
-    if isinstance(cause, requests.exceptions.ConnectTimeout):
-        return True
-    if isinstance(cause, requests.exceptions.ConnectionError):
-        reason: Any = cause.args[0] if cause.args else None
-        reason = getattr(reason, "reason", reason)
-        return type(reason).__name__ in ("NewConnectionError", "ConnectTimeoutError")
-    return False
-
-
-def _detail(exc: Etcd3Exception) -> str:
-    text = exc.detail_text or ""
+def _check_settings(key_prefix: Any, timeout: Any, max_txn_ops: Any) -> bytes:
+    """Refuse a bad ``key_prefix`` / ``timeout`` / ``max_txn_ops``; the prefix as bytes."""
     try:
-        data = json.loads(text)
-    except ValueError:
-        return text.strip()[:300] or type(exc).__name__
-    if isinstance(data, dict):
-        return str(data.get("message") or data.get("error") or text)[:300]
-    return text[:300]
-
-
-def _code(exc: Etcd3Exception) -> int | None:
-    try:
-        data = json.loads(exc.detail_text or "")
-    except ValueError:
-        return None
-    code = data.get("code") if isinstance(data, dict) else None
-    return code if isinstance(code, int) else None
+        prefix_bytes = key_prefix.encode() if isinstance(key_prefix, str) else b""
+    except UnicodeEncodeError:
+        prefix_bytes = b""
+    if not prefix_bytes or b"\x00" in prefix_bytes:
+        raise LeaseConfigError(f"key_prefix must be a non-empty string, got {key_prefix!r}")
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not 0 < timeout < math.inf
+    ):
+        raise LeaseConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(max_txn_ops, bool) or not isinstance(max_txn_ops, int) or max_txn_ops < 3:
+        raise LeaseConfigError(
+            "max_txn_ops must be an integer of at least 3, the etcd servers' "
+            f"--max-txn-ops (etcd's default: {DEFAULT_MAX_TXN_OPS}), got {max_txn_ops!r}"
+        )
+    return prefix_bytes

@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
 from celery_lease.stores.base import Lease, redact_url
+from celery_lease.stores.etcd_client import EtcdRequests
 from celery_lease.stores.etcd_wire import KV, b64, chunks, cmp_op, ranges
 
 __all__ = ["RenewAndRelease"]
 
 
-class RenewAndRelease:
+class RenewAndRelease(EtcdRequests):
     """``do_renew_many`` and ``do_release`` of :class:`~celery_lease.stores.etcd.EtcdLeaseStore`."""
 
     url: str
@@ -48,16 +49,6 @@ class RenewAndRelease:
         def released_name(self, key: str) -> bytes: ...
         def _remember(self, lease: Lease, lease_id: int) -> None: ...
         def _read(self, keys: Sequence[str]) -> dict[str, tuple[KV | None, KV | None]]: ...
-        def _txn(
-            self,
-            compare: builtins.list[dict[str, Any]],
-            success: builtins.list[dict[str, Any]],
-            failure: builtins.list[dict[str, Any]],
-        ) -> dict[str, Any]: ...
-        def _effective_ttl(self, ttl: float) -> int: ...
-        def _grant(self, ttl: float) -> tuple[int, int]: ...
-        def _keepalive(self, lease_id: int) -> int | None: ...
-        def _revoke(self, lease_id: int) -> bool: ...
 
     def do_renew_many(
         self, leases: builtins.list[Lease], ttls: builtins.list[float]

@@ -22,10 +22,11 @@ import builtins
 from collections.abc import Mapping
 from typing import Any
 
-from celery_lease.exceptions import StoreUnavailable
+from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
 from celery_lease.sql import Conn, Rows, database
 from celery_lease.sql import queries as q
 from celery_lease.sql.dialects import PG_RELEASE_ONE_PY, key_params
+from celery_lease.sql.migrate import ensure_schema
 from celery_lease.stores.base import (
     META_FIELDS,
     Lease,
@@ -68,8 +69,6 @@ class SQLLeaseStore(LeaseStore):
 
     @classmethod
     def check_options(cls, url: str, options: Mapping[str, Any], key_prefix: str) -> None:
-        from celery_lease.exceptions import LeaseConfigError
-
         if not options:
             return
         check_option_names(options)
@@ -83,7 +82,7 @@ class SQLLeaseStore(LeaseStore):
         self.db = database(url)
         self.url = self.db.url
         self.server_clock = not self.db.is_sqlite
-        self.db.ensure_schema()
+        ensure_schema(self.db)
 
     # -- claim -----------------------------------------------------------
 
