@@ -33,7 +33,6 @@ import logging
 import os
 import random
 import secrets
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -68,65 +67,28 @@ from celery_lease.exceptions import (
     StaleFencingToken,
     StoreUnavailable,
 )
-from celery_lease.keys import INTERNAL_PREFIX, KeySpec, scoped
+from celery_lease.keys import KeySpec, scoped
 from celery_lease.local import LocalLease
 from celery_lease.renewal import HeldLease, renewer
-from celery_lease.results import AcceptedResult, Prepared, ResultTable, encode_result
-from celery_lease.scope import HEADER_KEYS, HEADER_TENANT, authorize, publish_headers, resolve
-from celery_lease.stores.base import LeaseRecord, LeaseStore, new_owner_id
+from celery_lease.results import AcceptedResult, Prepared, encode_result
+from celery_lease.runtime import Runtime, runtime
+from celery_lease.scope import (
+    DEFER_MARKER,
+    HEADER_DEFER_ID,
+    HEADER_DEFERRALS,
+    HEADER_DELAY,
+    HEADER_KEYS,
+    HEADER_NOT_BEFORE,
+    HEADER_TENANT,
+    authorize,
+    publish_headers,
+    resolve,
+)
+from celery_lease.stores.base import LeaseRecord, new_owner_id
 
 __all__ = ["LeasedTask", "Runtime", "runtime"]
 
 logger = logging.getLogger(__name__)
-
-HEADER_DEFERRALS = "lease_deferrals"
-HEADER_DEFER_ID = "lease_defer_id"
-#: Store time before which a deferred copy must not claim (its ETA, in the store's clock).
-HEADER_NOT_BEFORE = "lease_not_before"
-#: Seconds a copy published without an ETA (no clock answered) waits before claiming.
-HEADER_DELAY = "lease_delay"
-#: Prefix of the store markers of an outstanding deferral of a task id: in the
-#: reserved namespace no user key can reach (celery_lease.keys.scoped refuses it).
-DEFER_MARKER = INTERNAL_PREFIX + "defer/"
-
-
-class Runtime:
-    """This process's stores for one app (new after fork)."""
-
-    def __init__(self, cfg: Config) -> None:
-        self.store: LeaseStore = LeaseStore.from_settings(cfg)
-        self.results = ResultTable(cfg.result_url, self.store, max_bytes=cfg.result_max_bytes)
-        #: Renew a lease until its commit has answered (not only until the body
-        #: ended): a commit that waits for the result database's lock longer
-        #: than the lease has left would otherwise find it expired and re-queue
-        #: work that was done. Not with leases in the same PostgreSQL database:
-        #: there the commit locks the lease rows, and the process's one renewal
-        #: statement would wait behind it, every other lease's renewal with it.
-        self.renew_through_commit = not (self.results.colocated and not self.results.db.is_sqlite)
-        #: The clock of deferral ETAs, which every worker must read alike: the
-        #: lease store's, or, for a store without a clock of its own (etcd),
-        #: a PostgreSQL result database's. Only a deployment with neither
-        #: (etcd with SQLite results) falls back to the deferring worker's.
-        self.clock: Callable[[], float] = self.store.time
-        if not self.store.server_clock and not self.results.db.is_sqlite:
-            self.clock = self.results.db.now
-
-
-_runtimes_lock = threading.Lock()
-
-
-def runtime(app: Any) -> Runtime:
-    """The process's :class:`Runtime` for ``app`` (a new one after fork)."""
-    pid = os.getpid()
-    state = app_state(app)
-    entry = state.runtime
-    if entry is not None and entry[0] == pid:
-        return entry[1]  # the common case, on every task: no lock
-    with _runtimes_lock:
-        entry = state.runtime
-        if entry is None or entry[0] != pid:
-            entry = state.runtime = (pid, Runtime(config(app)))
-        return entry[1]
 
 
 @dataclass(frozen=True)
