@@ -29,7 +29,7 @@ class AppState:
     installed: bool = False
     #: The broker's connection and channel errors (:func:`celery_lease.events.broker_errors`).
     broker_errors: tuple[type[BaseException], ...] | None = None
-    #: Whether the broker flags redelivered messages (``celery_lease.task``).
+    #: Whether the broker flags redelivered messages (``celery_lease.reads``).
     marks_redeliveries: bool | None = None
     #: ``(pid, Runtime)``: the stores of the process that built them (``celery_lease.runtime``).
     runtime: tuple[int, Runtime] | None = None
