@@ -119,13 +119,7 @@ class Execution:
             renewer().add(held)
             if self.opts.commit:
                 self.prepare(held)
-            if self.task._lease_track_started and not self._ignore_result():
-                self.task.backend.store_result(
-                    self.task_id,
-                    {"pid": os.getpid(), "hostname": self.hostname},
-                    STARTED,
-                    request=self.req,
-                )
+            self._store_started()
             start = decide.decide_body_start(decide.BodyStart(held=held.held))
             if start.act is Act.REQUEUE:
                 self.release()
@@ -162,6 +156,16 @@ class Execution:
             self.req._celery_lease = None
             if not finished:
                 self.release()
+
+    def _store_started(self) -> None:
+        """STARTED, written once this execution owns the key (LeasedTask.on_bound)."""
+        if self.task._lease_track_started and not self._ignore_result():
+            self.task.backend.store_result(
+                self.task_id,
+                {"pid": os.getpid(), "hostname": self.hostname},
+                STARTED,
+                request=self.req,
+            )
 
     def _after_body(self, held: HeldLease, retval: Any) -> Any:
         if not held.held and held.lost_reason is None:
