@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from celery_lease.config import Config
-    from celery_lease.task import Runtime
+    from celery_lease.runtime import Runtime
 
 __all__ = ["AppState", "app_state"]
 
@@ -29,9 +29,9 @@ class AppState:
     installed: bool = False
     #: The broker's connection and channel errors (:func:`celery_lease.events.broker_errors`).
     broker_errors: tuple[type[BaseException], ...] | None = None
-    #: Whether the broker flags redelivered messages (``celery_lease.task``).
+    #: Whether the broker flags redelivered messages (``celery_lease.reads``).
     marks_redeliveries: bool | None = None
-    #: ``(pid, Runtime)``: the stores of the process that built them (``celery_lease.task``).
+    #: ``(pid, Runtime)``: the stores of the process that built them (``celery_lease.runtime``).
     runtime: tuple[int, Runtime] | None = None
 
 

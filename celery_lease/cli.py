@@ -31,7 +31,7 @@ NOT_FOUND = 3
 
 
 def _stores(ctx: click.Context) -> tuple[LeaseStore, ResultTable]:
-    from celery_lease.task import runtime
+    from celery_lease.runtime import runtime
 
     rt = runtime(ctx.obj.app)
     return rt.store, rt.results

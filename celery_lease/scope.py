@@ -29,15 +29,37 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.exceptions import LeaseScopeMismatch, LeaseUnauthorized
-from celery_lease.keys import KeyLimits, check_limits, scoped
+from celery_lease.keys import INTERNAL_PREFIX, KeyLimits, check_limits, scoped
 
 if TYPE_CHECKING:
     from celery_lease.task import LeasedTask
 
-__all__ = ["HEADER_KEYS", "HEADER_TENANT", "authorize", "publish_headers", "resolve"]
+__all__ = [
+    "DEFER_MARKER",
+    "HEADER_DEFERRALS",
+    "HEADER_DEFER_ID",
+    "HEADER_DELAY",
+    "HEADER_KEYS",
+    "HEADER_NOT_BEFORE",
+    "HEADER_TENANT",
+    "authorize",
+    "publish_headers",
+    "resolve",
+]
 
 HEADER_KEYS = "lease_keys"
 HEADER_TENANT = "lease_tenant"
+#: Counted deferrals of a task id so far (``lease_defer_max``).
+HEADER_DEFERRALS = "lease_deferrals"
+#: The id of a chain of re-published copies of one task id.
+HEADER_DEFER_ID = "lease_defer_id"
+#: Store time before which a deferred copy must not claim (its ETA, in the store's clock).
+HEADER_NOT_BEFORE = "lease_not_before"
+#: Seconds a copy published without an ETA (no clock answered) waits before claiming.
+HEADER_DELAY = "lease_delay"
+#: Prefix of the store markers of an outstanding deferral of a task id: in the
+#: reserved namespace no user key can reach (celery_lease.keys.scoped refuses it).
+DEFER_MARKER = INTERNAL_PREFIX + "defer/"
 
 
 def resolve(

@@ -97,11 +97,11 @@ def check_tasks(app: Any, cfg: Config) -> None:
     settings known too. Without this, a mismatch surfaced in every execution,
     after the claim (or as renewals too rare to survive one failure).
     """
-    from celery_lease.task import LeasedTask
-
     for name in sorted(app.tasks):
         task = app.tasks[name]
-        if isinstance(task, LeasedTask):
+        # A LeasedTask (every one has the class attribute), without importing
+        # the task module here.
+        if hasattr(type(task), "_lease_keyspec"):
             task._options(cfg)  # merges and checks them (LeasedTask._make_options)
 
 
@@ -142,8 +142,8 @@ def _process_shutdown(**kwargs: Any) -> None:
 def _revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> None:
     if not terminated or request is None:
         return
+    from celery_lease.runtime import runtime
     from celery_lease.scope import HEADER_KEYS, HEADER_TENANT
-    from celery_lease.task import runtime
 
     task = getattr(request, "task", None)
     app = getattr(task, "app", None)

@@ -1,0 +1,554 @@
+"""What a leased task does at each point of its execution: the decisions as code.
+
+Pure functions, no I/O. Each takes the facts known at one point (a frozen
+dataclass) and returns an :class:`Outcome`, or a :class:`Read` naming the one
+fact it needs next. The executor (``celery_lease.execution``) performs that
+read, fills the fact in and asks again, so the reads happen in the order and
+number the decisions need them, no more: a first delivery never reads the
+result backend, the happy path adds no round trip. One line per row
+(``row  facts -> outcome``; "default" is the countdown of a deferral that
+waits for no lease, ``min(ttl, 5)``; busy deferrals wait the holder's
+remaining lease; a REJECT stores a FAILURE, a REJECT_ENDED leaves the backend
+untouched; copy.* rows apply after a raised body and a refused commit alike)::
+
+    claim.granted         lease granted -> RUN
+    claim.retry           store unavailable, lease_store_retry left -> RETRY
+    claim.store_down      store unavailable past lease_store_retry -> DEFER uncounted, default
+    claim.same_id         busy by this task id -> DEFER uncounted, holder's remaining
+    claim.reject          busy by another task id, reject -> REJECT conflict
+    claim.wait            busy by another task id, wait, time left -> WAIT, claim again
+    claim.defer           busy by another task id, defer (or the wait over) -> DEFER counted
+    lookup.stale          a newer owner claimed before the look-up -> DEFER uncounted, default
+    lookup.retry          result db unavailable, lease time left -> RETRY
+    lookup.store_down     result db unavailable, no lease time left -> DEFER uncounted, default
+    start.run             nothing accepted, no lease outcome (or a first delivery) -> RUN
+    start.ended           late copy, backend FAILURE is a LeaseError -> REJECT_ENDED
+    start.duplicate       once mode, the key's result accepted -> DUPLICATE
+    accepted.no_backend   this task id accepted, no result backend -> REJECT_ENDED
+    accepted.db_down      this task id accepted, its row unreadable -> DEFER uncounted, default
+    accepted.swept        this task id accepted, its row swept -> REJECT_ENDED
+    accepted.backend_down this task id accepted, backend unreadable -> DEFER uncounted, default
+    accepted.store        this task id accepted, backend lacks SUCCESS -> STORE_ACCEPTED_THEN_REJECT
+    accepted.present      this task id accepted, backend has SUCCESS -> REJECT_ENDED
+    body.lapsed           the lease lapsed before the body began -> REQUEUE
+    body.run              the lease held when the body begins -> RUN
+    duplicate.reject      lease_on_duplicate reject -> REJECT duplicate
+    duplicate.db_down     return, the accepted value unreadable -> DEFER uncounted, default
+    duplicate.return      return -> RETURN_ACCEPTED
+    error.owner           body raised, the lease still held -> RAISE (Celery stores it)
+    error.stands          body raised, lease lost, no copy of this task id owns it -> RAISE
+    copy.committed        lease lost, this task id committed elsewhere -> LEAVE_TO_COPY
+    copy.unstored         lease lost, committed elsewhere, no SUCCESS -> DEFER uncounted, default
+    copy.holds            lease lost, a copy of this task id holds the key -> DEFER uncounted
+    commit.accepted       commit accepted -> RUN (return the value)
+    commit.fenced         commit refused, a newer token -> NOT_DONE FENCED
+    commit.duplicate      commit refused, once mode, the key's result accepted -> DUPLICATE
+    commit.retry          store unavailable at commit, lease time left -> RETRY
+    commit.unknown        store unavailable at commit, lease ran out -> REQUEUE
+    not_done.newer        not done, a newer token's result accepted -> STORE_FAILURE
+    not_done.taken_over   not done, a live holder that has not ended -> STORE_FAILURE
+    not_done.holder_ended not done, the live holder a late copy of an ended task -> REQUEUE
+    not_done.nobody       not done, nobody newer did or does the work -> REQUEUE
+    defer.limit           counted, lease_defer_max reached -> REJECT LeaseNotAcquired
+    defer.counted         behind another task id's lease -> DEFER, deferrals + 1
+    defer.uncounted       behind this task id, or an outage -> DEFER, deferrals unchanged
+    republish.queued      another copy of this task id is deferred -> DROP
+    republish.publish     no other copy queued (or the marker unreadable) -> PUBLISH, mark
+
+"Uncounted" deferrals do not spend ``lease_defer_max``: it ends an endless
+conflict with *other* task ids; waiting behind a copy of this very task id, or
+out an unreachable store or result database, only delays the work.
+"Late copy": anything but a task id's first delivery (a redelivery, a
+re-publish, a retry), the only copies that can meet their own end. A holder
+that is a late copy of a task that ended (its result accepted, or a FAILURE
+celery-lease decided) is no take-over: it will be rejected, not do the work.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+#: celery.states' names, spelled out: the decisions import nothing of Celery.
+SUCCESS = "SUCCESS"
+FAILURE = "FAILURE"
+
+__all__ = [
+    "UNREAD",
+    "Act",
+    "BackendState",
+    "BodyError",
+    "BodyStart",
+    "Claim",
+    "Commit",
+    "CommitResult",
+    "Defer",
+    "Duplicate",
+    "Failed",
+    "Holder",
+    "Lookup",
+    "Newer",
+    "NotDone",
+    "Outcome",
+    "Read",
+    "Republish",
+    "Start",
+    "decide_body_error",
+    "decide_body_start",
+    "decide_claim",
+    "decide_commit",
+    "decide_defer",
+    "decide_duplicate",
+    "decide_lookup",
+    "decide_not_done",
+    "decide_republish",
+    "decide_start",
+]
+
+
+class Unread(enum.Enum):
+    """A fact not read yet."""
+
+    UNREAD = "unread"
+
+
+UNREAD = Unread.UNREAD
+
+
+class Read(enum.Enum):
+    """The fact a decision needs next (the value: the field(s) it fills)."""
+
+    HOLDER = "holder"  # the key's holder record (store.inspect)
+    LATE_COPY = "late_copy"  # whether this message may be a late copy
+    OWN_STATE = "own_state"  # this task id's backend state
+    ACCEPTED_ROW = "accepted_row"  # this task id's accepted row (results.get)
+    ACCEPTED_VALUE = "accepted_value"  # the key's accepted value (results.accepted)
+    MINE = "mine"  # whether this task id committed (results.for_task)
+    NEWER_AND_HOLDER = "newer_and_holder"  # the key's accepted result, then its holder
+    HOLDER_COMMITTED = "holder_committed"  # whether the holder's task id committed
+    HOLDER_STATE = "holder_state"  # the holder's task id's backend state
+    MARKER = "marker"  # the task id's deferral marker
+
+
+class Act(enum.Enum):
+    RUN = "run"  # go on: the claim, the body, the return of the value
+    RETRY = "retry"  # the same call again after a back-off
+    WAIT = "wait"  # lease_on_conflict=wait: sleep, claim again
+    DEFER = "defer"  # re-publish for later, backend untouched
+    REJECT = "reject"  # store FAILURE(exc), LEASE_REJECTED, Ignore
+    REJECT_ENDED = "reject_ended"  # LEASE_REJECTED, backend untouched, Ignore
+    #: SUCCESS with the accepted value, then as REJECT_ENDED
+    STORE_ACCEPTED_THEN_REJECT = "store_accepted_then_reject"
+    DUPLICATE = "duplicate"  # decide_duplicate
+    RETURN_ACCEPTED = "return_accepted"  # SUCCESS(accepted value), LEASE_REJECTED, Ignore
+    REQUEUE = "requeue"  # re-publish now, uncounted: redo, never lose the work
+    NOT_DONE = "not_done"  # decide_not_done
+    LEAVE_TO_COPY = "leave_to_copy"  # another copy of this task id owns the outcome: Ignore
+    STORE_FAILURE = "store_failure"  # store FAILURE(exc), the state's event, Ignore
+    RAISE = "raise"  # let the body's error (or Retry) stand for Celery to store
+    DROP = "drop"  # another deferred copy is queued: LEASE_REJECTED, Ignore
+    PUBLISH = "publish"  # publish the copy, then mark it
+
+
+@dataclass(frozen=True)
+class Outcome:
+    row: str
+    act: Act
+    reason: str = ""
+    #: DEFER: whether it spends lease_defer_max
+    counted: bool = False
+    #: DEFER: seconds until the copy claims (before jitter); REJECT: the holder's remaining
+    countdown: float = 0.0
+    #: The reason of an event sent (with the point's state) before acting
+    note: str | None = None
+    #: defer.*: the deferral count the copy carries
+    deferrals: int = 0
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A read that failed (the store or database was unavailable)."""
+
+    error: str
+
+
+@dataclass(frozen=True)
+class Holder:
+    """The parts of a key's lease record the decisions use."""
+
+    live: bool
+    task_id: str | None
+    remaining: float
+    token: int
+
+
+@dataclass(frozen=True)
+class Newer:
+    """The key's accepted result."""
+
+    token: int
+    task_id: str | None
+
+
+@dataclass(frozen=True)
+class BackendState:
+    """A task id's result-backend record."""
+
+    status: str | None
+    lease_error: bool  # its result is a celery-lease LeaseError
+
+    @property
+    def lease_failure(self) -> bool:
+        """A FAILURE celery-lease decided (FENCED, LEASE_LOST, duplicate...)."""
+        return self.status == FAILURE and self.lease_error
+
+
+def _default(ttl: float) -> float:
+    """The countdown of a deferral that waits for no lease (an outage)."""
+    return min(ttl, 5.0)
+
+
+# -- claim ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Claim:
+    task_id: str
+    ttl: float
+    on_conflict: str
+    granted: bool = False
+    error: str | None = None  # the claim raised StoreUnavailable
+    retry_left: bool = False  # lease_store_retry not spent
+    wait_left: bool = False  # lease_wait_timeout not spent
+    holder: Holder | Unread | None = UNREAD
+
+
+def decide_claim(c: Claim) -> Outcome | Read:
+    if c.granted:
+        return Outcome("claim.granted", Act.RUN)
+    if c.error is not None:
+        if c.retry_left:
+            return Outcome("claim.retry", Act.RETRY)
+        reason = f"lease store unavailable: {c.error}"
+        return Outcome("claim.store_down", Act.DEFER, reason, countdown=_default(c.ttl))
+    if c.holder is UNREAD:
+        return Read.HOLDER
+    remaining = c.holder.remaining if c.holder is not None else c.ttl
+    if c.holder is not None and c.holder.task_id == c.task_id:
+        # A redelivered copy of this very task met its live owner: defer, never
+        # drop (acking it would ack the owner's message too).
+        reason = "a copy of this task id holds the lease"
+        return Outcome("claim.same_id", Act.DEFER, reason, countdown=remaining)
+    if c.on_conflict == "reject":
+        return Outcome("claim.reject", Act.REJECT, "conflict", countdown=remaining)
+    if c.on_conflict == "wait" and c.wait_left:
+        return Outcome("claim.wait", Act.WAIT)
+    reason = "another owner holds the lease"
+    return Outcome("claim.defer", Act.DEFER, reason, counted=True, countdown=remaining)
+
+
+# -- before the body -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """The result table's look-up (``ResultTable.prepare``) once it answered or raised."""
+
+    ttl: float
+    stale: bool = False  # StaleFencingToken: a newer owner claimed
+    error: str | None = None  # StoreUnavailable
+    retry_left: bool = False  # the lease leaves time for another try
+
+
+def decide_lookup(s: Lookup) -> Outcome | None:
+    """None: the look-up answered; go on to :func:`decide_start`."""
+    if s.stale:
+        reason = "a newer owner claimed before the body"
+        return Outcome("lookup.stale", Act.DEFER, reason, countdown=_default(s.ttl))
+    if s.error is not None:
+        if s.retry_left:
+            return Outcome("lookup.retry", Act.RETRY)
+        reason = f"result database unavailable: {s.error}"
+        return Outcome("lookup.store_down", Act.DEFER, reason, countdown=_default(s.ttl))
+    return None
+
+
+@dataclass(frozen=True)
+class Start:
+    ttl: float
+    accepted: bool  # the look-up found this task id's accepted result
+    duplicate: bool  # once mode: the key's result was accepted
+    backend: bool  # results are stored (not ignore_result, a backend enabled)
+    late_copy: bool | Unread = UNREAD
+    own_state: BackendState | Unread | None = UNREAD  # None: unreadable
+    #: True: this task id's accepted row; False: swept, or another task id's
+    accepted_row: bool | Failed | Unread = UNREAD
+
+
+def decide_start(s: Start) -> Outcome | Read:
+    if s.accepted:
+        return _accepted_redelivery(s)
+    if s.late_copy is UNREAD:
+        return Read.LATE_COPY
+    if s.late_copy and s.backend:
+        # A late copy of a task an execution ended as FENCED, LEASE_LOST,
+        # duplicate...: run again, it would turn a final FAILURE into SUCCESS.
+        if s.own_state is UNREAD:
+            return Read.OWN_STATE
+        if s.own_state is not None and s.own_state.lease_failure:
+            reason = "redelivery of a task that already ended"
+            return Outcome("start.ended", Act.REJECT_ENDED, reason)
+    if s.duplicate:
+        return Outcome("start.duplicate", Act.DUPLICATE)
+    return Outcome("start.run", Act.RUN)
+
+
+def _accepted_redelivery(s: Start) -> Outcome | Read:
+    """A late copy of a task whose result was accepted: never run it again, and
+    make the backend say what the table says (the committer may have died
+    before Celery stored SUCCESS). Read first, write only if needed: a write
+    also returns a chord part."""
+    reason = "redelivery of an accepted task"
+    if not s.backend:
+        return Outcome("accepted.no_backend", Act.REJECT_ENDED, reason)
+    if s.accepted_row is UNREAD:
+        return Read.ACCEPTED_ROW
+    if isinstance(s.accepted_row, Failed):
+        why = f"result database unavailable: {s.accepted_row.error}"
+        return Outcome("accepted.db_down", Act.DEFER, why, countdown=_default(s.ttl))
+    if not s.accepted_row:
+        return Outcome("accepted.swept", Act.REJECT_ENDED, reason)
+    if s.own_state is UNREAD:
+        return Read.OWN_STATE
+    if s.own_state is None:
+        why = "result backend unavailable"
+        return Outcome("accepted.backend_down", Act.DEFER, why, countdown=_default(s.ttl))
+    if s.own_state.status != SUCCESS:
+        return Outcome("accepted.store", Act.STORE_ACCEPTED_THEN_REJECT, reason)
+    return Outcome("accepted.present", Act.REJECT_ENDED, reason)
+
+
+@dataclass(frozen=True)
+class BodyStart:
+    held: bool  # the lease is still valid after the look-up and STARTED
+
+
+def decide_body_start(s: BodyStart) -> Outcome:
+    if not s.held:
+        # Run nothing without the lease; the copy claims again (no defer count).
+        reason = "the lease lapsed before the body started"
+        return Outcome("body.lapsed", Act.REQUEUE, reason)
+    return Outcome("body.run", Act.RUN)
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    ttl: float
+    on_duplicate: str
+    accepted_value: bool | Failed | Unread = UNREAD  # read (found or not), or failed
+
+
+def decide_duplicate(s: Duplicate) -> Outcome | Read:
+    if s.on_duplicate != "return":
+        return Outcome("duplicate.reject", Act.REJECT, "duplicate")
+    if s.accepted_value is UNREAD:
+        return Read.ACCEPTED_VALUE
+    if isinstance(s.accepted_value, Failed):
+        # Not a FAILURE (a later copy would be rejected as "ended"): wait it out.
+        why = f"result database unavailable: {s.accepted_value.error}"
+        return Outcome("duplicate.db_down", Act.DEFER, why, countdown=_default(s.ttl))
+    reason = "duplicate: returned the accepted result"
+    return Outcome("duplicate.return", Act.RETURN_ACCEPTED, reason)
+
+
+# -- after the body ------------------------------------------------------------------
+
+
+def _leave_to_copy(
+    task_id: str,
+    ttl: float,
+    backend: bool,
+    mine: bool | Unread | None,
+    own_state: BackendState | Unread | None,
+    holder: Holder | None,
+) -> Outcome | Read | None:
+    """Whether another execution of this task id owns the outcome (None: no).
+
+    A copy that lost its lease must never write the backend state of a task id
+    another copy finished (a stalled copy resuming with an error or a Retry
+    after copy 2 stored SUCCESS), nor of one another copy is running.
+    """
+    if mine is UNREAD:
+        return Read.MINE
+    if mine:
+        note = "another execution of this task id committed"
+        if backend:
+            if own_state is UNREAD:
+                return Read.OWN_STATE
+            if own_state is not None and own_state.status != SUCCESS:
+                # It may have died before storing SUCCESS: a copy stores it.
+                why = "store the accepted result"
+                return Outcome("copy.unstored", Act.DEFER, why, countdown=_default(ttl), note=note)
+        return Outcome("copy.committed", Act.LEAVE_TO_COPY, note=note)
+    if holder is not None and holder.live and holder.task_id == task_id:
+        # Maybe a restored copy of this very message, sharing its delivery tag,
+        # whose unacked entry this execution's ack would remove: leave a
+        # deferred copy behind as its crash cover.
+        note = "another execution of this task id holds it"
+        why = "a copy of this task id holds the lease"
+        return Outcome("copy.holds", Act.DEFER, why, countdown=holder.remaining, note=note)
+    return None
+
+
+@dataclass(frozen=True)
+class BodyError:
+    """The body raised (an error, ``Retry``)."""
+
+    task_id: str
+    ttl: float
+    backend: bool  # results are stored (not ignore_result, a backend enabled)
+    held: bool  # still the owner
+    token: int
+    holder: Holder | Unread | None = UNREAD
+    mine: bool | Unread | None = UNREAD  # None: cannot tell
+    own_state: BackendState | Unread | None = UNREAD
+
+
+def decide_body_error(s: BodyError) -> Outcome | Read:
+    if s.held:
+        return Outcome("error.owner", Act.RAISE)
+    if s.holder is UNREAD:
+        return Read.HOLDER
+    # This execution's own lease, not yet expired in the store, is no copy.
+    holder = None if s.holder is not None and s.holder.token == s.token else s.holder
+    leave = _leave_to_copy(s.task_id, s.ttl, s.backend, s.mine, s.own_state, holder)
+    if leave is not None:
+        return leave
+    return Outcome("error.stands", Act.RAISE)
+
+
+class CommitResult(enum.Enum):
+    ACCEPTED = "accepted"
+    STALE = "stale"
+    DUPLICATE = "duplicate"
+    UNAVAILABLE = "unavailable"
+
+
+@dataclass(frozen=True)
+class Commit:
+    result: CommitResult
+    error: str | None = None
+    retry_left: bool = False
+
+
+def decide_commit(s: Commit) -> Outcome:
+    if s.result is CommitResult.ACCEPTED:
+        return Outcome("commit.accepted", Act.RUN)
+    if s.result is CommitResult.STALE:
+        return Outcome("commit.fenced", Act.NOT_DONE)
+    if s.result is CommitResult.DUPLICATE:
+        return Outcome("commit.duplicate", Act.DUPLICATE)
+    if s.retry_left:
+        return Outcome("commit.retry", Act.RETRY)
+    # The outcome is unknown and the lease has run out: redo. If the commit
+    # did land, the re-run is rejected as a redelivery.
+    note = f"store unavailable at commit: {s.error}"
+    return Outcome("commit.unknown", Act.REQUEUE, "commit outcome unknown", note=note)
+
+
+@dataclass(frozen=True)
+class NotDone:
+    """The body ran but its result was not accepted (fenced, or the lease was lost)."""
+
+    task_id: str
+    ttl: float
+    backend: bool  # results are stored (not ignore_result, a backend enabled)
+    token: int | None
+    newer: Newer | Unread | None = UNREAD
+    holder: Holder | Unread | None = UNREAD
+    mine: bool | Unread | None = UNREAD
+    own_state: BackendState | Unread | None = UNREAD
+    holder_committed: bool | Unread | None = UNREAD
+    holder_state: BackendState | Unread | None = UNREAD
+
+
+def decide_not_done(s: NotDone) -> Outcome | Read:
+    if s.newer is UNREAD or s.holder is UNREAD:
+        return Read.NEWER_AND_HOLDER
+    leave = _leave_to_copy(s.task_id, s.ttl, s.backend, s.mine, s.own_state, s.holder)
+    if leave is not None:
+        return leave
+    if s.newer is not None and s.token is not None and s.newer.token > s.token:
+        return Outcome("not_done.newer", Act.STORE_FAILURE)
+    if s.holder is not None and s.holder.live:
+        ended = _finished_elsewhere(s, s.holder, s.newer)
+        if isinstance(ended, Read):
+            return ended
+        if not ended:
+            return Outcome("not_done.taken_over", Act.STORE_FAILURE)
+        # Seen in a chaos run: a redelivered copy of the key's last task held
+        # the key this lease left; it will be rejected, not do this key's work.
+        return _requeue("not_done.holder_ended")
+    return _requeue("not_done.nobody")
+
+
+def _requeue(row: str) -> Outcome:
+    note = "lease lapsed with no new owner: re-queued"
+    return Outcome(row, Act.REQUEUE, "lease lapsed with no new owner", note=note)
+
+
+def _finished_elsewhere(s: NotDone, holder: Holder, newer: Newer | None) -> bool | Read:
+    """True if ``holder`` is a late copy of a task that already ended: the
+    checks of :func:`decide_start`, here on the holder's task id."""
+    if holder.task_id is None:
+        return False
+    if newer is not None and newer.task_id == holder.task_id:
+        return True
+    if s.holder_committed is UNREAD:
+        return Read.HOLDER_COMMITTED
+    if s.holder_committed:
+        return True
+    if not s.backend:
+        return False
+    if s.holder_state is UNREAD:
+        return Read.HOLDER_STATE
+    return s.holder_state is not None and s.holder_state.lease_failure
+
+
+# -- deferring -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Defer:
+    counted: bool
+    deferrals: int  # counted deferrals so far
+    defer_max: int
+    countdown: float
+    reason: str
+
+
+def decide_defer(s: Defer) -> Outcome:
+    if s.counted and s.deferrals >= s.defer_max:
+        why = f"deferred {s.deferrals} times behind other tasks (lease_defer_max)"
+        return Outcome("defer.limit", Act.REJECT, why, countdown=s.countdown)
+    if s.counted:
+        return Outcome(
+            "defer.counted", Act.DEFER, s.reason, True, s.countdown, deferrals=s.deferrals + 1
+        )
+    deferrals = s.deferrals
+    return Outcome("defer.uncounted", Act.DEFER, s.reason, False, s.countdown, deferrals=deferrals)
+
+
+@dataclass(frozen=True)
+class Republish:
+    defer_id: str
+    marker: str | Failed | Unread | None = UNREAD  # the defer id the marker names
+
+
+def decide_republish(s: Republish) -> Outcome | Read:
+    if s.marker is UNREAD:
+        return Read.MARKER
+    # A marker unreadable: a second copy beats losing the work.
+    if isinstance(s.marker, str) and s.marker != s.defer_id:
+        return Outcome("republish.queued", Act.DROP, "a deferred copy is already queued")
+    return Outcome("republish.publish", Act.PUBLISH)

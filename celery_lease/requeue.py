@@ -1,0 +1,114 @@
+"""Re-publishing a task id: a deferral or a re-queue, at most one copy outstanding.
+
+A copy carries the keys and tenant the execution resolved, the chain's
+``lease_defer_id`` and its counted deferrals; its ETA is taken from the
+runtime's clock (the store's), not this worker's. A store marker, set only
+*after* the copy is published, says "a copy of this chain is queued": set
+before, a worker dying in between left a marker with no copy behind it, and
+the redelivered message was then dropped as a duplicate of a copy that did
+not exist.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from celery.exceptions import Ignore, Reject
+
+from celery_lease import decide, events
+from celery_lease.decide import Act
+from celery_lease.exceptions import StoreUnavailable
+from celery_lease.scope import (
+    DEFER_MARKER,
+    HEADER_DEFER_ID,
+    HEADER_DEFERRALS,
+    HEADER_DELAY,
+    HEADER_KEYS,
+    HEADER_NOT_BEFORE,
+    HEADER_TENANT,
+)
+
+if TYPE_CHECKING:
+    from celery_lease.execution import Execution
+
+__all__ = ["republish"]
+
+logger = logging.getLogger(__name__)
+
+
+def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> NoReturn:
+    """Publish ``ex``'s task id again for ``countdown`` seconds on, then Ignore."""
+    vt = ex.cfg.visibility_timeout
+    if vt is not None:
+        # The Redis transport restores (and so multiplies) countdown messages
+        # held past its visibility timeout.
+        countdown = min(countdown, vt / 2)
+    defer_id = getattr(ex.req, HEADER_DEFER_ID, None) or uuid.uuid4().hex
+    outcome = ex.decide(decide.decide_republish, decide.Republish(defer_id))
+    if outcome.act is Act.DROP:
+        # Another copy of this task id is deferred already: drop this one.
+        ex.event(events.LEASE_REJECTED, reason=outcome.reason)
+        raise Ignore()
+    headers = dict(getattr(ex.req, "headers", None) or {})
+    headers.update(
+        {
+            HEADER_KEYS: ex.keys,
+            HEADER_TENANT: ex.tenant,
+            HEADER_DEFER_ID: defer_id,
+            HEADER_DEFERRALS: deferrals,
+        }
+    )
+    when = _when(ex, countdown, headers)
+    sig = ex.task.signature_from_request(ex.req, ex.args, ex.kwargs, headers=headers, **when)
+    try:
+        sig.apply_async()
+    except events.broker_errors(ex.app) as e:
+        # The copy could not be handed to the broker (it is restarting): give
+        # this message back instead of ending the task FAILURE (or acking the
+        # work away); the broker delivers it again once it is back. Without
+        # acks_late the message is gone already: let the error stand.
+        if not ex.task.acks_late:
+            raise
+        logger.warning(
+            "could not re-publish %s (%s): message requeued",
+            ex.task_id,
+            e,
+            extra={"action": "republish_failed", "task_id": ex.task_id},
+        )
+        raise Reject(e, requeue=True) from e
+    try:
+        # False: another chain marked meanwhile; two copies are harmless.
+        ex.rt.store.mark(
+            DEFER_MARKER + ex.task_id, defer_id, ttl=countdown + max(ex.opts.ttl, 10.0)
+        )
+    except StoreUnavailable:
+        pass
+    ex.event(events.LEASE_DEFERRED, countdown=round(countdown, 3), reason=reason)
+    raise Ignore()
+
+
+def _when(ex: Execution, countdown: float, headers: dict[str, Any]) -> dict[str, Any]:
+    """The copy's schedule (``apply_async`` options); sets its not-before headers."""
+    headers[HEADER_NOT_BEFORE] = None
+    headers[HEADER_DELAY] = None
+    if countdown <= 0:
+        return {"countdown": countdown}
+    # Celery turns a countdown into an ETA by this worker's clock, and every
+    # worker that receives the copy waits for it by its own: a clock one hour
+    # fast here would hold the copy an hour everywhere else. Take the ETA from
+    # the lease store's clock, the one the lease itself runs on; a receiver
+    # whose clock runs ahead waits out the rest (Execution.claim).
+    try:
+        eta = ex.rt.clock() + countdown
+    except StoreUnavailable:
+        # No clock answers (the store is down): a countdown would become an ETA
+        # by this worker's clock, maybe an hour off. Publish the copy for now
+        # instead; its receiver waits the delay out by its monotonic clock,
+        # before claiming (Execution._wait_until_not_before).
+        headers[HEADER_DELAY] = round(countdown, 3)
+        return {"countdown": 0}
+    headers[HEADER_NOT_BEFORE] = eta
+    return {"eta": datetime.fromtimestamp(eta, tz=timezone.utc)}
