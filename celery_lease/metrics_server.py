@@ -14,9 +14,10 @@ def prepare(port: int) -> None:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"celery-lease-{port}-")
 
 
-def start(port: int) -> None:
+def start(port: int, addr: str = "127.0.0.1") -> None:
+    """Listen on ``addr`` (``lease_metrics_addr``: loopback unless told otherwise)."""
     from prometheus_client import CollectorRegistry, multiprocess, start_http_server
 
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-    start_http_server(port, addr="127.0.0.1", registry=registry)
+    start_http_server(port, addr=addr, registry=registry)

@@ -62,7 +62,7 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
         if cfg.metrics_port is not None:
             from celery_lease import metrics_server
 
-            metrics_server.start(cfg.metrics_port)
+            metrics_server.start(cfg.metrics_port, cfg.metrics_addr)
 
 
 def warn_unconfirmed_publish(app: Any) -> bool:

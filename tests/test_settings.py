@@ -258,6 +258,11 @@ CONFIG_ERRORS: list[tuple[dict[str, Any], str]] = [
     ({"lease_key_prefix": ""}, r"lease_key_prefix must be a non-empty string, got ''"),
     ({"lease_result_expires": -5}, r"lease_result_expires must be greater than 0, got -5"),
     ({"lease_metrics_port": 70000}, r"lease_metrics_port must be a TCP port number, got 70000"),
+    (
+        {"lease_metrics_addr": "http://0.0.0.0:9808"},
+        r"lease_metrics_addr must be an IP address or host name to listen on .*'http://0.0.0.0:9808'",
+    ),
+    ({"lease_metrics_addr": ""}, r"lease_metrics_addr must be an IP address or host name"),
     ({"lease_store_options": "ssl"}, r"lease_store_options must be a dict of client options"),
     ({"lease_defer_max": 0}, r"lease_defer_max must be greater than 0, got 0"),
     ({"lease_wait_timeout": -1}, r"lease_wait_timeout must be greater than 0, got -1"),
