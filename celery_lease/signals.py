@@ -4,7 +4,8 @@
   and every leased task's options against them (a task's own
   ``lease_renew_interval`` against the app's ``lease_ttl``, the app's
   ``lease_clock_drift`` against a task's own ``lease_ttl``), so a wrong one
-  stops the worker with a message naming it;
+  stops the worker with a one-line message naming it; then the store and
+  database checks and the banner (:mod:`celery_lease.startup`);
 - each prefork child builds its own stores: the app's runtime is kept with the
   pid that made it (``task.runtime``), and connection pools are reset by
   ``os.register_at_fork`` hooks, so nothing is shared with the parent;
@@ -25,7 +26,7 @@ from celery import bootsteps
 from celery.signals import task_revoked, worker_process_shutdown
 
 from celery_lease.appstate import app_state
-from celery_lease.exceptions import StoreUnavailable
+from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -44,10 +45,15 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
     label = "celery-lease"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
+        from celery_lease import startup
         from celery_lease.config import config
 
-        cfg = config(worker.app)
-        check_tasks(worker.app, cfg)
+        try:
+            cfg = config(worker.app)
+            check_tasks(worker.app, cfg)
+            startup.run(worker.app, cfg)
+        except LeaseConfigError as e:
+            raise startup.refusal(e) from e
         warn_unconfirmed_publish(worker.app)
         if cfg.metrics_port is not None:
             from celery_lease import metrics_server

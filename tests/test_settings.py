@@ -94,6 +94,7 @@ def test_worker_refuses_to_start_with_a_bad_setting(
     assert code != 0, f"the worker accepted {settings} and exited {code}:\n{log[-3000:]}"
     assert " ready." not in log, f"the worker started with {settings}:\n{log[-3000:]}"
     assert "LeaseConfigError" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]  # one line, not a traceback
     for text in expected:
         assert text in log, f"{text!r} not in the log of a worker with {settings}:\n{log[-3000:]}"
 
