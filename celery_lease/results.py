@@ -358,8 +358,16 @@ class ResultTable:
                 return existing  # an earlier attempt of this very commit was accepted
             raise
         logger.info(
-            "result accepted",
-            extra={"action": "commit", "lease_key": lease.key, "token": lease.token},
+            "result accepted key=%s token=%s task=%s",
+            lease.key,
+            lease.token,
+            row["task_id"] or "-",
+            extra={
+                "action": "commit",
+                "lease_key": lease.key,
+                "token": lease.token,
+                "task_id": row["task_id"],
+            },
         )
         return AcceptedResult(
             lease.key,
@@ -488,8 +496,10 @@ class ResultTable:
             self.store.release(lease)
         except StoreUnavailable:
             logger.warning(
-                "could not release after a duplicate; it will expire",
-                extra={"action": "release_failed", "lease_key": lease.key},
+                "could not release after a duplicate; it will expire: key=%s token=%s",
+                lease.key,
+                lease.token,
+                extra={"action": "release_failed", "lease_key": lease.key, "token": lease.token},
             )
 
     def _current_token(self, key: str) -> int | None:
@@ -606,7 +616,9 @@ class ResultTable:
             conn.execute(q.SWEEP_INTERNAL_FENCES, {"cutoff": cutoff, **internal})
             swept_leases = conn.execute(q.SWEEP_LEASES, {"cutoff": cutoff}).rowcount
         logger.info(
-            "swept",
+            "swept %d result(s), %d lease row(s)",
+            swept_results,
+            swept_leases,
             extra={"action": "sweep", "results": swept_results, "leases": swept_leases},
         )
         return {"results": swept_results, "leases": swept_leases}

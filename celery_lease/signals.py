@@ -128,7 +128,13 @@ def _process_shutdown(**kwargs: Any) -> None:
         try:
             held.release()
         except StoreUnavailable as e:
-            logger.warning("could not release %s at shutdown: %s", held.key, e)
+            logger.warning(
+                "could not release at shutdown (it will expire): key=%s token=%s reason=%s",
+                held.key,
+                held.token,
+                e,
+                extra={"action": "release_failed", "lease_key": held.key, "token": held.token},
+            )
 
 
 def _revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> None:
@@ -168,9 +174,23 @@ def release_terminated(
             if store.evict(full, token=record.token) is not None:
                 evicted.append(full)
                 logger.info(
-                    "released the lease of a terminated task",
-                    extra={"action": "revoke_release", "lease_key": full, "task_id": task_id},
+                    "released the lease of a terminated task: key=%s token=%s task=%s",
+                    full,
+                    record.token,
+                    task_id,
+                    extra={
+                        "action": "revoke_release",
+                        "lease_key": full,
+                        "token": record.token,
+                        "task_id": task_id,
+                    },
                 )
         except StoreUnavailable as e:
-            logger.warning("could not release %s after revoke: %s", full, e)
+            logger.warning(
+                "could not release after revoke (it will expire): key=%s task=%s reason=%s",
+                full,
+                task_id,
+                e,
+                extra={"action": "release_failed", "lease_key": full, "task_id": task_id},
+            )
     return evicted
