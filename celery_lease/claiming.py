@@ -89,7 +89,10 @@ def _granted(ex: Execution, lease: Any, sent: float) -> HeldLease:
     metrics.claims.labels("granted").inc()
     if logger.isEnabledFor(logging.INFO):
         logger.info(
-            "lease granted",
+            "lease granted key=%s token=%s task=%s",
+            ex.key,
+            lease.token,
+            ex.task_id,
             extra={
                 "action": "claim",
                 "lease_key": ex.key,

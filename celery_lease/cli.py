@@ -1,16 +1,18 @@
 """``celery -A proj lease ...``: operators' commands, thin over library calls.
 
 Registered through Celery's ``celery.commands`` entry point. Human-readable
-tables by default, ``--json`` for scripts; exit codes: 0 done, 1 an error
-(unreachable store, bad settings), 2 usage, 3 unknown key / nothing to do.
+tables by default (times in UTC, ISO 8601 with the zone), ``--json`` for
+scripts; exit codes: 0 done, 1 an error (unreachable store, bad settings),
+2 usage, 3 unknown key / nothing to do (``release`` of a key with no live
+lease: nothing changed).
 """
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict
+from datetime import datetime, timezone
 from functools import wraps
 from typing import Any
 
@@ -52,7 +54,7 @@ def _errors(func: Callable[..., Any]) -> Callable[..., Any]:
 def _when(t: float | None, now: float | None = None) -> str:
     if t is None:
         return "-"
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t))
+    stamp = datetime.fromtimestamp(t, timezone.utc).isoformat(timespec="seconds")
     if now is not None:
         delta = t - now
         if delta >= 0:
@@ -197,7 +199,13 @@ def results(ctx: click.Context, key: str, tenant: str | None, limit: int, as_jso
 @click.pass_context
 @_errors
 def release(ctx: click.Context, key: str, tenant: str | None, force: bool, as_json: bool) -> None:
-    """Evict KEY's holder and advance its fence (the evicted owner can never commit)."""
+    """Evict KEY's live lease and advance its fence.
+
+    The evicted body is not stopped: it keeps running until it next checks
+    its lease (a renewal, self.lease.ensure(), its commit), and its commit is
+    then refused (FENCED), so its result is never accepted. A key with no
+    live lease is left as it is (exit 3, nothing changed).
+    """
     if not force:
         click.echo("Error: releasing someone else's lease needs --force", err=True)
         raise SystemExit(2)
@@ -205,25 +213,28 @@ def release(ctx: click.Context, key: str, tenant: str | None, force: bool, as_js
 
     store, table = _stores(ctx)
     full = scoped(key, tenant)
-    evicted = store.evict(full)
+    record = store.inspect(full)
+    # By the token read: a lease granted after the read is never the one evicted,
+    # and a key with no live lease keeps its fence (an evict without a token
+    # would advance it anyway).
+    evicted = store.evict(full, token=record.token) if record and record.live else None
+    if evicted is None:
+        if as_json:
+            click.echo(json.dumps({"key": key, "evicted": None, "fence": None}))
+        else:
+            click.echo(f"{key}: no live lease; nothing changed")
+        raise SystemExit(NOT_FOUND)
     fence = store.fence_token(full)
     table.raise_fence(full, fence)
     metrics.force_releases.inc()
     if as_json:
-        click.echo(
-            json.dumps(
-                {"key": key, "evicted": _record_json(evicted) if evicted else None, "fence": fence}
-            )
-        )
-    elif evicted is None:
-        click.echo(f"{key}: no live lease; fence advanced to {fence}")
+        click.echo(json.dumps({"key": key, "evicted": _record_json(evicted), "fence": fence}))
     else:
         click.echo(
             f"{key}: evicted {evicted.owner_id} (token {evicted.token}, task "
-            f"{evicted.task_id or '-'}); fence advanced to {fence}"
+            f"{evicted.task_id or '-'}); fence advanced to {fence}. The evicted body runs "
+            "on until it next checks its lease; its commit will be refused"
         )
-    if evicted is None:
-        raise SystemExit(NOT_FOUND)
 
 
 @lease.command(cls=CeleryCommand)
@@ -256,6 +267,12 @@ def migrate(ctx: click.Context) -> None:
 def sweep(ctx: click.Context, lease_grace: float, as_json: bool) -> None:
     """Delete results past lease_result_expires and long-expired lease rows (fences stay)."""
     cfg = config(ctx.obj.app)
+    if cfg.result_expires is None:
+        click.echo(
+            "Warning: lease_result_expires is not set: accepted results are kept forever, "
+            "only lease rows are swept",
+            err=True,
+        )
     store, table = _stores(ctx)
     counts = table.sweep(cfg.result_expires, lease_grace)
     from celery_lease.stores.sql import SQLLeaseStore

@@ -9,8 +9,10 @@ errors that name the setting, the value and what is accepted. An unknown
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import logging
 import math
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -177,6 +179,24 @@ def _port(name: str, value: Any) -> int:
     return value
 
 
+#: A host name as ``getaddrinfo`` takes it (labels of letters, digits and hyphens).
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?\Z")
+
+
+def _bind_address(name: str, value: Any) -> str:
+    """An IPv4/IPv6 address or a host name to bind a server to (no port, no URL)."""
+    if isinstance(value, str) and value:
+        try:
+            return str(ipaddress.ip_address(value))
+        except ValueError:
+            if _HOST_NAME.match(value):
+                return value
+    raise LeaseConfigError(
+        f"{name} must be an IP address or host name to listen on (127.0.0.1, 0.0.0.0, ::), "
+        f"got {value!r}"
+    )
+
+
 def _key_prefix(name: str, value: Any) -> str:
     prefix = _string(name, value)
     if "{" in prefix or "}" in prefix:
@@ -339,6 +359,13 @@ SETTINGS: dict[str, Setting] = {
             shown="off",
         ),
         Setting(
+            "lease_metrics_addr",
+            "127.0.0.1",
+            _bind_address,
+            "the address the metrics server listens on (loopback: only this machine can "
+            "scrape; 0.0.0.0 or :: for every interface)",
+        ),
+        Setting(
             "lease_store_options",
             None,
             _options,
@@ -375,6 +402,7 @@ class Config:
     visibility_timeout: float | None
     max_keys: int = 100
     max_key_length: int = 16384
+    metrics_addr: str = "127.0.0.1"
 
     @property
     def limits(self) -> KeyLimits:

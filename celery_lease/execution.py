@@ -408,10 +408,12 @@ class Execution:
             held.release()
         except StoreUnavailable as e:
             logger.warning(
-                "could not release %s (it will expire): %s",
+                "could not release (it will expire): key=%s token=%s task=%s reason=%s",
                 self.key,
+                held.token,
+                self.task_id,
                 e,
-                extra={"action": "release_failed", "lease_key": self.key},
+                extra={"action": "release_failed", "lease_key": self.key, "token": held.token},
             )
 
     def _on_lost(self, held: HeldLease, reason: str) -> None:
@@ -433,10 +435,19 @@ class Execution:
             )
         if logger.isEnabledFor(logging.INFO):
             logger.info(
-                "%s %s",
+                "%s %s key=%s token=%s reason=%s",
                 state,
                 self.task_id,
-                extra={"action": state.lower(), "lease_key": self.key, "task_id": self.task_id},
+                self.key,
+                fields.get("token", "-"),
+                fields.get("reason", "-"),
+                extra={
+                    "action": state.lower(),
+                    "lease_key": self.key,
+                    "task_id": self.task_id,
+                    "token": fields.get("token"),
+                    "reason": fields.get("reason"),
+                },
             )
 
     def _store_failure(self, exc: BaseException) -> None:

@@ -7,7 +7,11 @@ A ``lease_key`` is one of:
 - a callable taking the task's arguments and returning a key or a list of keys;
 - nothing: the task's name plus the SHA-256 of the canonical JSON of the bound
   arguments (sorted keys, no whitespace), which does not depend on argument
-  order, dict ordering or the process's hash seed.
+  order, dict ordering or the process's hash seed. The types Celery's JSON
+  serializer carries beyond JSON (UUID, datetime, date, time, Decimal, bytes)
+  are written as the envelope kombu puts them in on the wire
+  (:func:`canonical_json`), so the key a client derives equals the one the
+  worker derives from the decoded message.
 
 A template renders dict arguments with their keys sorted and set arguments
 with their elements sorted (recursively), so ``{"a": 1, "b": 2}`` and
@@ -34,11 +38,15 @@ keys, so no user key can reach a scope or an internal record.
 
 from __future__ import annotations
 
+import base64
+import datetime
+import decimal
 import hashlib
 import inspect
 import json
 import re
 import string
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,7 +76,43 @@ _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """``value`` as canonical JSON: sorted keys, no whitespace, non-ASCII kept.
+
+    The non-JSON types Celery's JSON serializer accepts are written as the
+    ``{"__type__": ..., "__value__": ...}`` envelope kombu sends them in (and
+    turns back into the type on receipt): ``uuid`` ``{"hex": <32 hex digits>}``,
+    ``datetime``/``date``/``time`` their ``isoformat()`` (the offset as given:
+    the same instant in two zones is two keys), ``decimal`` ``str()`` (its
+    exponent kept: ``1.0`` and ``1.00`` are two keys), ``bytes`` the UTF-8 text
+    or, if not UTF-8, ``base64``. The form is fixed here, not taken from kombu,
+    so a key never changes with a kombu release.
+    """
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=_envelope
+    )
+
+
+def _envelope(value: Any) -> dict[str, Any]:
+    kind: str
+    encoded: Any
+    if isinstance(value, uuid.UUID):
+        kind, encoded = "uuid", {"hex": value.hex}
+    elif isinstance(value, datetime.datetime):  # before date: a datetime is a date
+        kind, encoded = "datetime", value.isoformat()
+    elif isinstance(value, datetime.date):
+        kind, encoded = "date", value.isoformat()
+    elif isinstance(value, datetime.time):
+        kind, encoded = "time", value.isoformat()
+    elif isinstance(value, decimal.Decimal):
+        kind, encoded = "decimal", str(value)
+    elif isinstance(value, bytes):
+        try:
+            kind, encoded = "bytes", value.decode("utf-8")
+        except UnicodeDecodeError:
+            kind, encoded = "base64", base64.b64encode(value).decode("ascii")
+    else:
+        raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+    return {"__type__": kind, "__value__": encoded}
 
 
 def has_unstorable(text: str) -> bool:
@@ -248,7 +292,8 @@ class KeySpec:
             except (TypeError, ValueError) as e:
                 raise LeaseConfigError(
                     f"task {self.task_name!r}: the default lease key hashes the arguments as "
-                    f"JSON, and these are not JSON ({e}); give the task a lease_key"
+                    f"JSON (plus UUID, datetime, date, time, Decimal, bytes), and these are not "
+                    f"({e}); give the task a lease_key"
                 ) from e
             found = [f"{self.task_name}:{hashlib.sha256(blob.encode()).hexdigest()}"]
         return self._checked(found, limits)

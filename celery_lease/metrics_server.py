@@ -53,12 +53,13 @@ def process_init() -> None:
     multiprocess.mark_process_dead(os.getpid(), path)  # type: ignore[no-untyped-call]
 
 
-def start(port: int) -> None:
+def start(port: int, addr: str = "127.0.0.1") -> None:
+    """Listen on ``addr`` (``lease_metrics_addr``: loopback unless told otherwise)."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()
     registry.register(_LiveCollector(os.environ["PROMETHEUS_MULTIPROC_DIR"]))
-    start_http_server(port, addr="127.0.0.1", registry=registry)
+    start_http_server(port, addr=addr, registry=registry)
 
 
 def dead_pids(path: str) -> set[int]:

@@ -23,7 +23,9 @@ _SECRET_NAMES = (
 )
 
 #: ``user:password@`` after a scheme, or at the start of a word (a URL given
-#: without its scheme, as a misconfigured setting may be).
+#: without its scheme, as a misconfigured setting may be). Without a scheme
+#: the "password" may not start with ``//``: that is a scheme's own
+#: ``://`` before a user with no password (``postgresql://postgres@host``).
 _USERINFO = re.compile(
     r"(?P<pre>(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)|(?<![^\s'\"(=,\[]))"
     # Without a scheme, a "password" starting with ``//`` is a URL's own
@@ -48,6 +50,6 @@ def redact(text: str) -> str:
     """``text`` with every password-like value replaced by ``***``."""
     if ":" not in text and "=" not in text:
         return text  # the common case (a key, a reason): nothing to look for
-    text = _USERINFO.sub(lambda m: f"{m['pre']}{m['user']}:{MASK}@", text)
+    text = _USERINFO.sub(lambda m: f"{m['pre'] or ''}{m['user']}:{MASK}@", text)
     text = _PARAM.sub(lambda m: f"{m['name']}={MASK}", text)
     return _ITEM.sub(lambda m: f"{m['name']}{m['q']}{MASK}{m['q']}", text)

@@ -240,10 +240,19 @@ class HeldLease:
                 # so a renewal racing it is refused): its answer is the outcome.
                 logger.debug("lease %s: %s (during the commit)", self.key, reason)
                 return
+            task_id = self.lease.meta.get("task_id")
             logger.warning(
-                "lease lost: %s",
+                "lease lost: key=%s token=%s task=%s reason=%s",
+                self.key,
+                self.token,
+                task_id or "-",
                 reason,
-                extra={"action": "lease_lost", "lease_key": self.key, "token": self.token},
+                extra={
+                    "action": "lease_lost",
+                    "lease_key": self.key,
+                    "token": self.token,
+                    "task_id": task_id,
+                },
             )
             for cb in self._on_lost:
                 cb(self, reason)
@@ -424,7 +433,8 @@ class Renewer:
                 # leases are not lost for it, the renewal is retried soon, until
                 # their local view runs out.
                 logger.warning(
-                    "lease renewal failed, will retry: %s: %s",
+                    "lease renewal failed, will retry: keys=%s reason=%s: %s",
+                    ",".join(h.key for h in group),
                     type(e).__name__,
                     e,
                     extra={"action": "renew_retry"},

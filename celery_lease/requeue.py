@@ -73,10 +73,11 @@ def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> N
         if not ex.task.acks_late:
             raise
         logger.warning(
-            "could not re-publish %s (%s): message requeued",
+            "could not re-publish %s: message requeued: key=%s reason=%s",
             ex.task_id,
+            ex.key,
             e,
-            extra={"action": "republish_failed", "task_id": ex.task_id},
+            extra={"action": "republish_failed", "task_id": ex.task_id, "lease_key": ex.key},
         )
         raise Reject(e, requeue=True) from e
     try:

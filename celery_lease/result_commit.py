@@ -162,8 +162,10 @@ def _release_quietly(store: LeaseStore, lease: Lease) -> None:
         store.release(lease)
     except StoreUnavailable:
         logger.warning(
-            "could not release after a duplicate; it will expire",
-            extra={"action": "release_failed", "lease_key": lease.key},
+            "could not release after a duplicate; it will expire: key=%s token=%s",
+            lease.key,
+            lease.token,
+            extra={"action": "release_failed", "lease_key": lease.key, "token": lease.token},
         )
 
 

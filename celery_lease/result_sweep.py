@@ -53,7 +53,9 @@ def _sweep_once(db: Database, result_expires: float | None, lease_grace: float) 
         conn.execute(q.SWEEP_INTERNAL_FENCES, {"cutoff": cutoff, **internal})
         swept_leases = conn.execute(q.SWEEP_LEASES, {"cutoff": cutoff}).rowcount
     logger.info(
-        "swept",
+        "swept %d result(s), %d lease row(s)",
+        swept_results,
+        swept_leases,
         extra={"action": "sweep", "results": swept_results, "leases": swept_leases},
     )
     return {"results": swept_results, "leases": swept_leases}

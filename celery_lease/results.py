@@ -347,8 +347,16 @@ class ResultTable:
                 return existing  # an earlier attempt of this very commit was accepted
             raise
         logger.info(
-            "result accepted",
-            extra={"action": "commit", "lease_key": lease.key, "token": lease.token},
+            "result accepted key=%s token=%s task=%s",
+            lease.key,
+            lease.token,
+            row["task_id"] or "-",
+            extra={
+                "action": "commit",
+                "lease_key": lease.key,
+                "token": lease.token,
+                "task_id": row["task_id"],
+            },
         )
         return AcceptedResult(
             lease.key,

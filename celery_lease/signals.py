@@ -4,7 +4,8 @@
   and every leased task's options against them (a task's own
   ``lease_renew_interval`` against the app's ``lease_ttl``, the app's
   ``lease_clock_drift`` against a task's own ``lease_ttl``), so a wrong one
-  stops the worker with a message naming it;
+  stops the worker with a one-line message naming it; then the store and
+  database checks and the banner (:mod:`celery_lease.startup`);
 - each prefork child builds its own stores: the app's runtime is kept with the
   pid that made it (``task.runtime``), and connection pools are reset by
   ``os.register_at_fork`` hooks, so nothing is shared with the parent;
@@ -28,7 +29,7 @@ from celery import bootsteps
 from celery.signals import task_revoked, worker_process_init, worker_process_shutdown
 
 from celery_lease.appstate import app_state
-from celery_lease.exceptions import StoreUnavailable
+from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -47,10 +48,15 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
     label = "celery-lease"
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
+        from celery_lease import startup
         from celery_lease.config import config
 
-        cfg = config(worker.app)
-        check_tasks(worker.app, cfg)
+        try:
+            cfg = config(worker.app)
+            check_tasks(worker.app, cfg)
+            startup.run(worker.app, cfg)
+        except LeaseConfigError as e:
+            raise startup.refusal(e) from e
         warn_unconfirmed_publish(worker.app)
         if cfg.metrics_port is not None:
             from celery_lease import metrics_server
@@ -65,7 +71,7 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
         if cfg.metrics_port is not None:
             from celery_lease import metrics_server
 
-            metrics_server.start(cfg.metrics_port)
+            metrics_server.start(cfg.metrics_port, cfg.metrics_addr)
 
 
 def warn_unconfirmed_publish(app: Any) -> bool:
@@ -136,7 +142,13 @@ def _process_shutdown(**kwargs: Any) -> None:
         try:
             held.release()
         except StoreUnavailable as e:
-            logger.warning("could not release %s at shutdown: %s", held.key, e)
+            logger.warning(
+                "could not release at shutdown (it will expire): key=%s token=%s reason=%s",
+                held.key,
+                held.token,
+                e,
+                extra={"action": "release_failed", "lease_key": held.key, "token": held.token},
+            )
 
 
 def _revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> None:
@@ -176,9 +188,23 @@ def release_terminated(
             if store.evict(full, token=record.token) is not None:
                 evicted.append(full)
                 logger.info(
-                    "released the lease of a terminated task",
-                    extra={"action": "revoke_release", "lease_key": full, "task_id": task_id},
+                    "released the lease of a terminated task: key=%s token=%s task=%s",
+                    full,
+                    record.token,
+                    task_id,
+                    extra={
+                        "action": "revoke_release",
+                        "lease_key": full,
+                        "token": record.token,
+                        "task_id": task_id,
+                    },
                 )
         except StoreUnavailable as e:
-            logger.warning("could not release %s after revoke: %s", full, e)
+            logger.warning(
+                "could not release after revoke (it will expire): key=%s task=%s reason=%s",
+                full,
+                task_id,
+                e,
+                extra={"action": "release_failed", "lease_key": full, "task_id": task_id},
+            )
     return evicted

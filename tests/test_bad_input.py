@@ -101,6 +101,8 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str]] = [
     ({"lease_store_retry": "5"}, r"lease_store_retry must be a number of seconds, got '5'"),
     ({"lease_metrics_port": 70000}, r"lease_metrics_port must be a TCP port number, got 70000"),
     ({"lease_metrics_port": "9808"}, r"lease_metrics_port must be a TCP port number, got '9808'"),
+    ({"lease_metrics_addr": "0.0.0.0:9808"}, r"lease_metrics_addr must be an IP address or host name to listen on"),
+    ({"lease_metrics_addr": 127001}, r"lease_metrics_addr must be an IP address or host name to listen on .*got 127001"),
     ({"lease_store_options": "ssl"}, r"lease_store_options must be a dict of client options, got 'ssl'"),
     (
         {"lease_store_url": "redis://127.0.0.1:1/0", "lease_store_options": {"socket_timout": 1}},

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 import urllib.request
 import uuid
 from pathlib import Path
@@ -20,8 +22,8 @@ from tests.workers import Worker, read_log
 pytest.importorskip("prometheus_client")
 
 
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+def scrape(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
     samples: dict[str, float] = {}
     for line in text.splitlines():
@@ -224,3 +226,55 @@ def test_a_worker_start_drops_the_files_dead_processes_left(
         assert not set(left) & {p.name for p in mpdir.iterdir()}
     finally:
         worker.kill()
+
+
+def own_address() -> str:
+    """A non-loopback IPv4 address of this machine (``ip -4 addr``), else 127.0.0.2.
+
+    Only the machine's own addresses (or loopback) are ever bound or scraped.
+    """
+    out = subprocess.run(
+        ["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, check=False
+    ).stdout
+    for addr in re.findall(r"\binet (\d+\.\d+\.\d+\.\d+)/", out):
+        if not addr.startswith("127."):
+            return addr
+    return "127.0.0.2"
+
+
+def test_the_metrics_server_listens_on_lease_metrics_addr(
+    redis_server: object, tmp_path: Path
+) -> None:
+    addr = own_address()
+    port = free_port()
+    env = {
+        "CL_BROKER": redis_server.url(24),  # type: ignore[attr-defined]
+        "CL_BACKEND": redis_server.url(25),  # type: ignore[attr-defined]
+        "CL_STORE": f"sqlite:///{tmp_path / 'lease.sqlite3'}",
+        "CL_RESULTS": f"sqlite:///{tmp_path / 'lease.sqlite3'}",
+        "CL_SETTINGS": json.dumps({"lease_metrics_port": port, "lease_metrics_addr": addr}),
+    }
+    worker = Worker("metricsaddr", env, tmp_path).start()
+    try:
+        _, tasks = build(env)
+        tasks.work.delay(f"m-{uuid.uuid4().hex}", 0.0).get(timeout=30)
+        samples = wait_for(
+            lambda: (lambda s: s if s and metric(s, "celery_lease_claims_total") >= 1 else None)(
+                _scrape_or_none(addr, port)
+            ),
+            20,
+            f"the metrics endpoint on {addr}:{port} to count the claim",
+        )
+        assert samples['celery_lease_claims_total{outcome="granted"}'] >= 1
+        # Bound to that address only: loopback has nothing on the port.
+        with pytest.raises(OSError):
+            scrape(port, "127.0.0.1")
+    finally:
+        worker.kill()
+
+
+def _scrape_or_none(host: str, port: int) -> dict[str, float] | None:
+    try:
+        return scrape(port, host)
+    except OSError:
+        return None

@@ -94,6 +94,7 @@ def test_worker_refuses_to_start_with_a_bad_setting(
     assert code != 0, f"the worker accepted {settings} and exited {code}:\n{log[-3000:]}"
     assert " ready." not in log, f"the worker started with {settings}:\n{log[-3000:]}"
     assert "LeaseConfigError" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]  # one line, not a traceback
     for text in expected:
         assert text in log, f"{text!r} not in the log of a worker with {settings}:\n{log[-3000:]}"
 
@@ -258,6 +259,11 @@ CONFIG_ERRORS: list[tuple[dict[str, Any], str]] = [
     ({"lease_key_prefix": ""}, r"lease_key_prefix must be a non-empty string, got ''"),
     ({"lease_result_expires": -5}, r"lease_result_expires must be greater than 0, got -5"),
     ({"lease_metrics_port": 70000}, r"lease_metrics_port must be a TCP port number, got 70000"),
+    (
+        {"lease_metrics_addr": "http://0.0.0.0:9808"},
+        r"lease_metrics_addr must be an IP address or host name to listen on .*'http://0.0.0.0:9808'",
+    ),
+    ({"lease_metrics_addr": ""}, r"lease_metrics_addr must be an IP address or host name"),
     ({"lease_store_options": "ssl"}, r"lease_store_options must be a dict of client options"),
     ({"lease_defer_max": 0}, r"lease_defer_max must be greater than 0, got 0"),
     ({"lease_wait_timeout": -1}, r"lease_wait_timeout must be greater than 0, got -1"),
