@@ -79,3 +79,37 @@ def test_wheel_metadata_names_license_and_python_versions(wheel: Path) -> None:
     core = [r for r in requires if "extra ==" not in r]
     assert any(r.startswith("Requires-Dist: celery>=5.3") for r in core), core
     assert not [r for r in core if "redis" in r], core
+
+
+@pytest.mark.redis
+def test_redis_extra_with_the_oldest_celery_gets_a_working_redis_transport(
+    wheel: Path, tmp_path: Path, make_redis_server: object
+) -> None:
+    """`celery-lease[redis]` with Celery 5.3: kombu's Redis transport takes the redis-py it got.
+
+    Celery 5.3's redis extra bounds redis-py below 6 but not kombu, whose newest
+    Redis transport refuses redis-py below 6.4 at the first connection, with
+    `pip check` clean. A message through a real Redis proves the pair works.
+    """
+    server = make_redis_server()  # type: ignore[operator]
+    venv = fresh_venv(tmp_path / "venv", f"celery-lease[redis] @ {wheel.as_uri()}", "celery~=5.3.0")
+    check = pip(venv, "check")
+    assert check.returncode == 0, check.stdout + check.stderr
+    script = (
+        "import sys, celery, kombu, redis;"
+        "c = kombu.Connection(sys.argv[1]);"
+        "q = c.SimpleQueue('packaging');"
+        "q.put({'n': 1}); m = q.get(timeout=10); m.ack();"
+        "print(celery.__version__, kombu.__version__, redis.__version__, m.payload['n'])"
+    )
+    run = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", script, server.url(0)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(venv),
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    celery_version, _kombu, _redis, n = run.stdout.split()
+    assert celery_version.startswith("5.3.") and n == "1", run.stdout

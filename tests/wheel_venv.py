@@ -58,10 +58,10 @@ def clean_env(venv: Path) -> dict[str, str]:
     return env
 
 
-def fresh_venv(venv: Path, requirement: str) -> Path:
-    """A new virtualenv with ``pip install REQUIREMENT`` run in it; the venv."""
+def fresh_venv(venv: Path, *requirements: str) -> Path:
+    """A new virtualenv with ``pip install REQUIREMENTS...`` run in it; the venv."""
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    result = pip(venv, "install", "-q", requirement, timeout=900)
+    result = pip(venv, "install", "-q", *requirements, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return venv
 
