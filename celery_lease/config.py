@@ -229,7 +229,7 @@ class Setting:
     ``parse(name, value)`` gets the app's value, or ``default`` when the app
     sets none, and returns the :class:`Config` field or raises
     :class:`LeaseConfigError`; checks across settings are in
-    :meth:`Config.from_app`. ``shown`` is the README's default column when
+    :meth:`Config.from_app`. ``shown`` is the default column of docs/settings.md when
     ``default`` (None) stands for a value worked out from other settings.
     """
 
@@ -246,7 +246,7 @@ class Setting:
 
     @property
     def readme_default(self) -> str:
-        """The default as README's settings table writes it."""
+        """The default as docs/settings.md's table writes it."""
         if self.shown:
             return self.shown
         if isinstance(self.default, str):
@@ -256,7 +256,7 @@ class Setting:
         return f"`{self.default!r}`"
 
 
-#: Every setting, once: the README's settings table is checked against these
+#: Every setting, once: docs/settings.md's table is checked against these
 #: (tests/test_readme.py), and :meth:`Config.from_app` reads them in this order.
 SETTINGS: dict[str, Setting] = {
     s.name: s

@@ -1,9 +1,15 @@
 # shellcheck shell=bash
 # Sourced by scripts/test and scripts/demo: the project's virtualenv.
 #
-#   ensure_venv EXTRAS   creates $VENV (.venv, with $PYTHON, default python3)
-#                        if missing and `pip install -e .[EXTRAS]` into it;
-#                        skipped when the manifests and extras did not change.
+#   ensure_venv EXTRAS [REQUIREMENTS...]
+#                        creates $VENV (.venv, with $PYTHON, default python3)
+#                        if missing and `pip install -e .[EXTRAS] -r REQ...`
+#                        into it; skipped when the manifests, the extras and
+#                        the requirements files did not change.
+#   ensure_test_venv     the test suite's venv: ensure_venv $EXTRAS (default
+#                        redis,postgres,etcd,prometheus: the published extras)
+#                        plus requirements/{test,bench,docs}.txt, the tools
+#                        that are not published extras (scripts/test, .ci/run).
 
 ROOT=${ROOT:-$PWD}
 VENV=${VENV:-$ROOT/.venv}
@@ -24,6 +30,9 @@ apt_install() {
 
 ensure_venv() {
     local extras=$1
+    shift
+    local reqs=("$@") req_args=() req
+    for req in "${reqs[@]}"; do req_args+=(-r "$req"); done
     if [ ! -x "$VENV/bin/python" ]; then
         say "creating $VENV with $PYTHON"
         if ! "$PYTHON" -m venv "$VENV" 2>/dev/null; then
@@ -41,15 +50,22 @@ ensure_venv() {
     export PIP_DISABLE_PIP_VERSION_CHECK=1
     local stamp=$VENV/.installed want spec=.
     [ -n "$extras" ] && spec=".[$extras]"
-    want="$(cat setup.cfg pyproject.toml | cksum) $spec"
+    want="$(cat setup.cfg pyproject.toml "${reqs[@]}" | cksum) $spec ${reqs[*]}"
     if [ -f "$stamp" ] && grep -qxF "$want" "$stamp"; then
         return 0
     fi
-    say "pip install -e '$spec' (log: $VENV/pip-install.log)"
-    if ! "$VENV/bin/python" -m pip install -e "$spec" >"$VENV/pip-install.log" 2>&1; then
+    say "pip install -e '$spec' ${req_args[*]} (log: $VENV/pip-install.log)"
+    if ! "$VENV/bin/python" -m pip install -e "$spec" "${req_args[@]}" \
+            >"$VENV/pip-install.log" 2>&1; then
         tail -n 40 "$VENV/pip-install.log" >&2
         say "ERROR: pip install failed; full log in $VENV/pip-install.log"
         return 1
     fi
     printf '%s\n' "$want" >>"$stamp"
+}
+
+TEST_REQUIREMENTS=(requirements/test.txt requirements/bench.txt requirements/docs.txt)
+
+ensure_test_venv() {
+    ensure_venv "${EXTRAS:-redis,postgres,etcd,prometheus}" "${TEST_REQUIREMENTS[@]}"
 }
