@@ -20,6 +20,7 @@ timing vary with the machine; the plan and the fault sequence do not).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import random
 import re
@@ -29,6 +30,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -223,8 +225,12 @@ class Run:
     def execute(self) -> RunResult:
         opts = self.opts
         started = time.monotonic()
-        # The harness's clock pair: real time = monotonic + offset.
-        self.offset = time.time() - time.monotonic()
+        # The harness's clock pair: real time = monotonic + offset, sampled all
+        # along the run: the machine's real-time clock can be stepped (a long
+        # run here saw +15 s in three steps), and one offset taken at the start
+        # then misplaces every later body against the stores' clocks.
+        self.clock = ClockMap()
+        self.clock.start()
         (self.workdir / "options.json").write_text(
             json.dumps({**vars(opts), "workdir": str(self.workdir), "kinds": list(opts.kinds)})
         )
@@ -415,7 +421,11 @@ class Run:
     def collect(self) -> tuple[History, dict[str, Any]]:
         c = self.cluster
         subs = [Submission(p["task_id"], p["key"], p["policy"]) for p in self.submitted]
-        attempts, events = read_history(c.history, self.offset)
+        self.clock.stop()
+        (self.workdir / "clock.jsonl").write_text(
+            "".join(json.dumps({"mono": m, "offset": o}) + "\n" for m, o in self.clock.samples)
+        )
+        attempts, events = read_history(c.history, self.clock.real)
         engine = create_engine(c.results_url)
         with engine.connect() as conn:
             accepted = [
@@ -523,8 +533,48 @@ def _backend(meta: dict[str, Any]) -> Backend:
     return Backend(state)
 
 
-def read_history(path: Path, offset: float) -> tuple[list[Attempt], Counter[str]]:
-    """Attempts from the bodies' history file (real time = monotonic + ``offset``)."""
+class ClockMap:
+    """Real time from monotonic time, with the offset in force at that moment.
+
+    Samples ``time.time() - time.monotonic()`` every ``interval`` seconds from
+    a thread; :meth:`real` uses the last sample at or before the given
+    monotonic time (a step of the real-time clock moves the mapping within
+    ``interval`` of it).
+    """
+
+    def __init__(self, interval: float = 0.2) -> None:
+        self.interval = interval
+        self.samples: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos-clock", daemon=True)
+        self._sample()
+
+    def _sample(self) -> None:
+        mono = time.monotonic()
+        self.samples.append((mono, time.time() - mono))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        self._sample()
+
+    def real(self, mono: float) -> float:
+        i = bisect.bisect_right(self.samples, (mono, float("inf"))) - 1
+        return mono + self.samples[max(i, 0)][1]
+
+
+def read_history(
+    path: Path, real_time: Callable[[float], float]
+) -> tuple[list[Attempt], Counter[str]]:
+    """Attempts from the bodies' history file (``real_time`` maps their monotonic clock)."""
     attempts: dict[str, Attempt] = {}
     events: Counter[str] = Counter()
     if not path.exists():
@@ -536,7 +586,7 @@ def read_history(path: Path, offset: float) -> tuple[list[Attempt], Counter[str]
             continue  # a torn line of a killed process
         ev = rec.get("ev")
         events[ev] += 1
-        real = rec["mono"] + offset
+        real = real_time(rec["mono"])
         if ev == "start":
             attempts[rec["attempt"]] = Attempt(
                 attempt=rec["attempt"],
