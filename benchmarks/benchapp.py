@@ -263,7 +263,7 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, Any]:
                 floor.claim_and_commit(self.request.id, result)
                 return result
             if floor.redis_url:
-                # DESIGN.md's Redis + SQL order: claim in Redis; register and look up;
+                # the Redis + SQL commit order: claim in Redis; register and look up;
                 # at the commit, lock the fence row, check and release in Redis, write
                 floor.redis_hop(self.request.id, claim=True)
                 floor.lookup(self.request.id)

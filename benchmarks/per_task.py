@@ -174,7 +174,7 @@ def run(env: Env) -> Section:
                 "`jsonb` result, in the same PostgreSQL database as the Redis-store "
                 "`LeasedTask`'s results (*2 round trips*: a `SELECT` by task id first, the "
                 "least a lease's claim or look-up needs; *five round trips*: Redis `SET NX PX`, "
-                "two `SELECT`s, Redis `DEL`, the `INSERT`, the order of DESIGN.md's protocol "
+                "two `SELECT`s, Redis `DEL`, the `INSERT`, the order of the commit protocol "
                 "for Redis leases with PostgreSQL results: claim; register and look up; at "
                 "the commit, lock the fence row, check the lease in Redis while holding it, "
                 "write); and Python's `sqlite3` `INSERT`, "
@@ -354,7 +354,7 @@ _PG_FLOORS = [
 _FLOOR_OF = {
     "leased-redis-pg": [
         *_PG_FLOORS,
-        ("floor-redis-pg-5rt", "the five round trips of DESIGN.md's Redis + PostgreSQL order"),
+        ("floor-redis-pg-5rt", "the five round trips of the Redis + PostgreSQL commit order"),
     ],
     "leased-pg-pg": [
         *_PG_FLOORS,

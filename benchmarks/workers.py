@@ -34,7 +34,7 @@ class Kind:
     lookup: bool = False  # floor: one more round trip (a SELECT by task id) before the body
     writes: int = 1  # floor: committed writes per task
     protocol: bool = False  # floor: celery-lease's own PostgreSQL statements, sent raw
-    redis_hops: bool = False  # floor: DESIGN.md's Redis + PostgreSQL order, trivial commands
+    redis_hops: bool = False  # floor: the Redis + PostgreSQL commit order, trivial commands
 
 
 KINDS = [
@@ -77,7 +77,7 @@ FLOORS = [
          "code (reference, not a target)", "floor", results="pg", protocol=True),
     Kind("floor-redis-pg-5rt", "floor: plain + Redis `SET NX PX`, two PostgreSQL `SELECT`s "
          "by task id, Redis `DEL`, the PostgreSQL `INSERT` (5 round trips in the order of "
-         "DESIGN.md's Redis + PostgreSQL protocol; reference, not a target)", "floor",
+         "the Redis + PostgreSQL commit protocol; reference, not a target)", "floor",
          results="pg", lookup=True, redis_hops=True),
 ]  # fmt: skip
 
