@@ -348,7 +348,9 @@ def installed_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "-q",
         "--disable-pip-version-check",
     ]
-    result = subprocess.run([*pip, f"{src}[postgres]"], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [*pip, f"{src}[redis,postgres]"], capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     shutil.rmtree(src)  # nothing may be imported from the copy
     return venv

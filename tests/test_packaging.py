@@ -54,6 +54,23 @@ def test_postgres_extra_installs_no_redis_and_pip_check_is_clean(
     assert run.returncode == 0, run.stdout + run.stderr
     token, where = run.stdout.split()
     assert int(token) >= 1 and str(venv) in where, run.stdout
+    # and a Redis URL without the extra is a one-line error naming the extra
+    script = (
+        "import celery_lease\n"
+        "try:\n"
+        "    celery_lease.LeaseStore.from_url('redis://127.0.0.1:1/0')\n"
+        "except celery_lease.LeaseConfigError as e:\n"
+        "    print(e)\n"
+    )
+    run = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(venv),
+        cwd=tmp_path,
+    )
+    assert "pip install 'celery-lease[redis]'" in run.stdout, run.stdout + run.stderr
 
 
 def test_redis_extra_brings_redis_py(wheel: Path, tmp_path: Path) -> None:

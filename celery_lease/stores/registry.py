@@ -13,6 +13,7 @@ from __future__ import annotations
 from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
+from celery_lease.exceptions import LeaseConfigError
 from celery_lease.urls import scheme_of
 
 if TYPE_CHECKING:
@@ -26,6 +27,9 @@ ENTRY_POINT_GROUP = "celery_lease.stores"
 _REDIS = "celery_lease.stores.redis:RedisLeaseStore"
 _SQL = "celery_lease.stores.sql:SQLLeaseStore"
 _ETCD = "celery_lease.stores.etcd:EtcdLeaseStore"
+
+#: The extra that brings each built-in store's driver.
+_EXTRAS = {_REDIS: "redis", _SQL: "postgres", _ETCD: "etcd"}
 
 #: Built-in schemes, in the order errors list them.
 ALIASES: dict[str, str] = {
@@ -60,7 +64,16 @@ def store_class(scheme: str) -> type[LeaseStore] | None:
     path = aliases().get(scheme)
     if path is None:
         return None
-    store_cls: type[LeaseStore] = EntryPoint(scheme, path, ENTRY_POINT_GROUP).load()
+    try:
+        store_cls: type[LeaseStore] = EntryPoint(scheme, path, ENTRY_POINT_GROUP).load()
+    except ImportError as e:
+        # A store whose driver is an optional dependency: say which extra brings it.
+        extra = _EXTRAS.get(path)
+        hint = f"pip install 'celery-lease[{extra}]'" if extra else "install its driver"
+        raise LeaseConfigError(
+            f"the {scheme}:// lease store needs {e.name or 'a driver'}, which is not "
+            f"installed: {hint}"
+        ) from e
     return store_cls
 
 
