@@ -486,8 +486,8 @@ def decide_not_done(s: NotDone) -> Outcome | Read:
             return ended
         if not ended:
             return Outcome("not_done.taken_over", Act.STORE_FAILURE)
-        # Seen in a chaos run: a redelivered copy of the key's last task held
-        # the key this lease left; it will be rejected, not do this key's work.
+        # The holder is a late copy of a task that already ended: its own
+        # look-up rejects it, so it will not do this key's work either.
         return _requeue("not_done.holder_ended")
     return _requeue("not_done.nobody")
 

@@ -113,8 +113,8 @@ class Execution:
         finished = False
         try:
             # Renewed from the grant on: the look-up and the STARTED write below
-            # can take longer than the TTL on a loaded worker (seen: 1.4 s with a
-            # 100-thread pool on SQLite), and the lease must not lapse meanwhile.
+            # can take longer than the TTL on a loaded worker (many threads
+            # waiting on SQLite's one writer), and the lease must not lapse meanwhile.
             held.add_lost_callback(self._on_lost)
             renewer().add(held)
             if self.opts.commit:
@@ -146,7 +146,8 @@ class Execution:
                 self.release()  # the retry claims again, with a newer token
                 finished = True
                 raise
-            except Exception:  # the body's own error, re-raised for Celery to store
+            except Exception:  # any error of the user's body, always re-raised:
+                # Celery stores it, unless a copy of this task id owns the outcome.
                 held.detach()
                 self._unless_overtaken(held)
                 raise

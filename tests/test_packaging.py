@@ -43,14 +43,7 @@ def test_postgres_extra_installs_no_redis_and_pip_check_is_clean(
         "s = celery_lease.LeaseStore.from_url('sqlite:///pkg.sqlite3');"
         "print(s.claim('pkg', ttl=30).token, celery_lease.__file__)"
     )
-    run = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=clean_env(venv),
-        cwd=tmp_path,
-    )
+    run = run_python(venv, script, tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     token, where = run.stdout.split()
     assert int(token) >= 1 and str(venv) in where, run.stdout
@@ -62,14 +55,7 @@ def test_postgres_extra_installs_no_redis_and_pip_check_is_clean(
         "except celery_lease.LeaseConfigError as e:\n"
         "    print(e)\n"
     )
-    run = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=clean_env(venv),
-        cwd=tmp_path,
-    )
+    run = run_python(venv, script, tmp_path)
     assert "pip install 'celery-lease[redis]'" in run.stdout, run.stdout + run.stderr
 
 
@@ -130,3 +116,15 @@ def test_redis_extra_with_the_oldest_celery_gets_a_working_redis_transport(
     assert run.returncode == 0, run.stdout + run.stderr
     celery_version, _kombu, _redis, n = run.stdout.split()
     assert celery_version.startswith("5.3.") and n == "1", run.stdout
+
+
+def run_python(venv: Path, script: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``script`` run by the fresh virtualenv's interpreter, outside the checkout."""
+    return subprocess.run(
+        [str(venv / "bin" / "python"), "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(venv),
+        cwd=cwd,
+    )
