@@ -13,7 +13,8 @@
   ``faketime -f '+1h'`` (``FAKETIME_DONT_FAKE_MONOTONIC=1``), and
   restarted by a supervisor thread whenever one exits by itself (kombu's
   Redis transport can make a worker exit when the broker restarts);
-* one more worker, ``probe`` (prefork, one child), alone on the queue
+* one more worker, ``probe`` (prefork, two children: one per concurrent long
+  outage, store and result database), alone on the queue
   ``chaos.probe`` and with a small ``lease_defer_max`` (``DEFER_MAX``), for
   the long-outage faults' probe tasks; no fault targets it.
 """
@@ -260,7 +261,7 @@ class Cluster:
             w.launch()
         self.probe = ChaosWorker(
             "probe", {**self.env, "CHAOS_DEFER_MAX": str(DEFER_MAX)}, self.logdir,
-            pool="prefork", concurrency=1, extra_args=("-Q", "chaos.probe"),
+            pool="prefork", concurrency=2, extra_args=("-Q", "chaos.probe"),
         )  # fmt: skip
         self.probe.launch()
         for w in self.all_workers():

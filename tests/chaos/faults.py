@@ -80,6 +80,7 @@ class Injector(ServerFaults):
         self.running: dict[int, str] = {}  # pid -> task id, from the history's tail
         self._history_pos = 0
         self.publish_probe = None
+        self._probes: list[str] = []
 
     # -- the loop ----------------------------------------------------------
 

@@ -59,6 +59,12 @@ READ_ONLY_PROBE = "UPDATE celery_lease_fences SET fencing_token = fencing_token 
 LONG_OUTAGE_MAX = 40.0
 #: ``chaos.probe``'s lease TTL (tests/chaos/app.py)
 PROBE_TTL = 1.0
+#: how long a long outage waits for the earlier probes to end before it starts
+PROBE_SETTLE = 60.0
+#: how long ``kill_after_commit`` waits for a commit on the armed worker: an
+#: outage of the lease store or the result database (another fault, maybe a
+#: long one) stops every commit meanwhile
+KILL_WINDOW = 90.0
 
 
 def _error_of(fn: Any) -> str | None:
@@ -88,6 +94,8 @@ class ServerFaults:
     log: Any
     #: publishes a probe task (task id, key) on the probe queue; set by the runner
     publish_probe: Any
+    #: the probes of the long outages that ended (task ids)
+    _probes: list[str]
 
     # -- Redis answers errors ------------------------------------------------
 
@@ -249,6 +257,10 @@ class ServerFaults:
         ``lease_defer_max`` times while it was away (each delivery, after the
         first, comes from a deferral: the outage outlasted the budget), or
         ``LONG_OUTAGE_MAX`` seconds; then start it again."""
+        # The probe must find the probe worker free: an earlier probe still
+        # being delivered (its outage ended mid-deferral) would hold the one
+        # slot, and this probe would wait behind it and prove nothing.
+        self._probes_settled(PROBE_SETTLE)
         probe_id = str(uuid.uuid4())
         key = f"p-{probe_id[:8]}"
         started = time.monotonic()
@@ -270,6 +282,7 @@ class ServerFaults:
             refused_at_end = _refused(server.port)
         finally:
             server.start()
+            self._probes.append(probe_id)  # must end before the next outage starts
         seconds = time.monotonic() - started
         if deliveries <= DEFER_MAX:
             # The server was away, but not for as long as the kind says: not counted.
@@ -283,6 +296,35 @@ class ServerFaults:
                 "lease_store_retry": STORE_RETRY,
                 "outlasted_budget": deliveries > DEFER_MAX
                 and seconds > DEFER_MAX * STORE_RETRY}  # fmt: skip
+
+    def _probes_settled(self, timeout: float) -> None:
+        """Wait until the probe of every ended outage ended (SUCCESS or FAILURE
+        in the history); raise if one has not within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            open_ = set(self._probes) - self._ended(self._probes)
+            if not open_:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"earlier probe(s) {sorted(open_)} not ended: not started")
+            time.sleep(0.25)
+
+    def _ended(self, task_ids: list[str]) -> set[str]:
+        path = Path(self.c.history)
+        if not path.exists():
+            return set()
+        wanted = {t.encode(): t for t in task_ids}
+        ended: set[str] = set()
+        with open(path, "rb") as fh:
+            for line in fh:
+                if b'"ev": "postrun"' not in line or not (
+                    b'"SUCCESS"' in line or b'"FAILURE"' in line
+                ):
+                    continue
+                for needle, task_id in wanted.items():
+                    if needle in line:
+                        ended.add(task_id)
+        return ended
 
     def _probe_deliveries(self, task_id: str) -> int:
         path = Path(self.c.history)
@@ -302,12 +344,12 @@ class ServerFaults:
         arm = Path(KILL_ARM.format(history=self.c.history, hostname=w.hostname))
         nonce = uuid.uuid4().hex
         arm.write_text(nonce)
-        deadline = time.monotonic() + 30.0
+        deadline = time.monotonic() + KILL_WINDOW
         while arm.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         try:
             arm.unlink()
-            raise RuntimeError(f"no commit on {w.name} within 30s: disarmed")
+            raise RuntimeError(f"no commit on {w.name} within {KILL_WINDOW:.0f}s: disarmed")
         except FileNotFoundError:
             pass  # an execution took the shot
         rec = None
