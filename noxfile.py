@@ -2,7 +2,7 @@
 
     nox -l                                  # list the sessions
     nox -s "tests-3.11(celery='5.3', redis='5', sqlalchemy='2.0')"
-    nox -s tests -- tests/test_store_contract.py -k redis    # any pytest arguments
+    nox -s tests -- tests/contract/test_store_contract.py -k redis    # any pytest arguments
 
 Each session installs the package with its published extras, pins the three
 libraries to the oldest supported line (``celery~=5.3.0``, ``redis~=5.0``,
@@ -30,9 +30,9 @@ import nox
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 OLDEST = {"celery": "celery~=5.3.0", "redis": "redis~=5.0", "sqlalchemy": "SQLAlchemy~=2.0.0"}
 DEFAULT_TESTS = [
-    "tests/test_store_contract.py",
-    "tests/test_settings.py",
-    "tests/test_task_acceptance.py",
+    "tests/contract/test_store_contract.py",
+    "tests/acceptance/test_settings.py",
+    "tests/acceptance/test_task_acceptance.py",
 ]
 
 nox.options.error_on_missing_interpreters = False

@@ -257,7 +257,7 @@ class Setting:
 
 
 #: Every setting, once: docs/settings.md's table is checked against these
-#: (tests/test_readme.py), and :meth:`Config.from_app` reads them in this order.
+#: (tests/acceptance/test_readme.py), and :meth:`Config.from_app` reads them in this order.
 SETTINGS: dict[str, Setting] = {
     s.name: s
     for s in (

@@ -41,7 +41,7 @@ from tests.servers import (
     iter_live_servers,
 )
 
-# pytester: tests/test_servers.py checks the --slow switch. The celery-lease
+# pytester: tests/contract/test_servers.py checks the --slow switch. The celery-lease
 # plugin is a pytest11 entry point once installed; named here too for a
 # checkout whose installed metadata predates it (same name: loaded once).
 pytest_plugins = ("pytester", "celery_lease.testing.pytest_plugin")

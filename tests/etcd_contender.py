@@ -1,4 +1,4 @@
-"""A lease contender run as a separate process by tests/test_etcd_failover.py.
+"""A lease contender run as a separate process by tests/contract/test_etcd_failover.py.
 
 Run as a script: ``python tests/etcd_contender.py URL LOG --keys k1,k2 --ttl T
 --duration D --index I``. Imports only celery_lease. Prints ``ready``, waits

@@ -9,7 +9,7 @@ One prepared call, one round trip, where a client-side pipeline cost more
 than the round trip it saved.
 
 Versioned by name: the text here is the text of the migration that created
-the function (tests/test_migrations.py compares them). A change is a new
+the function (tests/contract/test_migrations.py compares them). A change is a new
 ``_v2`` function in a new migration, never an edit of ``_v1``. The claim and
 the registration are the templates of :mod:`celery_lease.sql.queries` that
 ``PG_CLAIM_ONE`` and ``register_fence`` render, so the two cannot drift.

@@ -11,7 +11,7 @@ This is the one module that uses redis-py below its public command API
 (``Connection.pack_command``/``send_packed_command``/``read_response``/
 ``disconnect``/``retry``, ``ConnectionPool.get_connection``/``release``) or
 reads details that changed between redis-py versions (``get_connection``'s
-``command_name``, an error's ``status_code``). ``tests/test_redis_transport.py``
+``command_name``, an error's ``status_code``). ``tests/contract/test_redis_transport.py``
 runs it on a real Redis and pins the redis-py versions it was checked with
 (:data:`REDIS_PY_CHECKED`).
 """
@@ -41,7 +41,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 __all__ = ["REDIS_PY_CHECKED", "ScriptTransport", "server_reply"]
 
 #: The redis-py versions this module was run against (a PEP 440 specifier).
-#: tests/test_redis_transport.py fails on a redis-py outside it: check the
+#: tests/contract/test_redis_transport.py fails on a redis-py outside it: check the
 #: connection internals above still hold, then widen it.
 REDIS_PY_CHECKED = ">=5.0,<9"
 

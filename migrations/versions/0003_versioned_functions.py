@@ -3,7 +3,7 @@
 Creates ``celery_lease_claim_lookup_v1`` and ``celery_lease_register_lookup_v1``
 (the functions of 0002 under versioned names, their claim and registration
 now rendered from the same templates as the client statements) and drops the
-unversioned ones. The texts below are frozen: tests/test_migrations.py checks
+unversioned ones. The texts below are frozen: tests/contract/test_migrations.py checks
 that they are celery_lease.sql.functions' texts. A change to a function is a
 ``_v2`` in a new migration, so code of either version finds its function.
 

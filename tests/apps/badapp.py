@@ -1,7 +1,7 @@
 """Apps whose leased task is wrong in a way only registration can tell.
 
 ``CL_BAD`` picks the fault (``celery -A tests.apps.badapp worker`` must fail
-at start, naming the task and what is wrong; tests/test_settings.py):
+at start, naming the task and what is wrong; tests/acceptance/test_settings.py):
 
 * ``key`` (default): the ``lease_key`` template names an argument the task
   does not have;

@@ -3,7 +3,7 @@
 The task's options pass on their own (no ``lease_ttl`` of its own); only with
 the app's TTL is the renew interval above half the TTL.
 ``celery -A tests.apps.badrenewapp worker`` must refuse to start, naming the
-task and the option (tests/test_bad_input.py); a direct ``apply()`` must fail
+task and the option (tests/acceptance/test_bad_input.py); a direct ``apply()`` must fail
 before claiming.
 """
 

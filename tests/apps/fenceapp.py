@@ -1,5 +1,5 @@
 """A Celery app with a lock-only task that writes through ``fencing.guard``
-(``tests/test_fencing_overlap.py``), configured from CL_* environment variables.
+(``tests/acceptance/test_fencing_overlap.py``), configured from CL_* environment variables.
 
 The body records its start (with its token) in an fsync'd execution log, waits
 until the file named by its ``go`` argument exists (so the test decides when

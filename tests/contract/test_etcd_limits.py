@@ -25,6 +25,7 @@ from celery_lease import LeaseConfigError, LeaseError, LeaseStore, StoreUnavaila
 from celery_lease.config import Config
 from celery_lease.renewal import HeldLease, renewer
 from celery_lease.stores.etcd import EtcdLeaseStore
+from tests.contract.test_etcd_store import lease_ttl, raw_get
 from tests.etcd_cluster import (  # noqa: F401 - fixtures
     EtcdCluster,
     etcd_cluster,
@@ -34,7 +35,6 @@ from tests.etcd_cluster import (  # noqa: F401 - fixtures
 from tests.lossy_proxy import LossyProxy
 from tests.servers import LOOPBACK, wait_for
 from tests.store_fixtures import new_key
-from tests.test_etcd_store import lease_ttl, raw_get
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
 

@@ -37,7 +37,7 @@ from tests.store_fixtures import PYTHON, client_env
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]
 
-CONTENDER = str(Path(__file__).with_name("etcd_contender.py"))
+CONTENDER = str(Path(__file__).resolve().parents[1] / "etcd_contender.py")
 CLIENTS = 8
 KEYS = 4
 TTL = 2.0

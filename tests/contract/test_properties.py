@@ -60,7 +60,7 @@ from tests.store_fixtures import STORE_KINDS, store_url
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # --------------------------------------------------------------------------
 # strategies

@@ -26,7 +26,7 @@ import pytest
 from celery_lease import LeaseStore
 from tests.servers import wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -24,7 +24,7 @@ from celery_lease.stores.redis_transport import REDIS_PY_CHECKED
 from tests.servers import RedisServer, wait_for
 
 MakeRedis = Callable[..., RedisServer]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NAME = "transport-under-test"
 
 

@@ -23,7 +23,7 @@ from celery_lease.config import SETTINGS
 from tests.servers import wait_for
 from tests.wheel_venv import build_wheel, clean_env, fresh_venv
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 GETTING_STARTED = (ROOT / "docs" / "getting-started.md").read_text()
 OPERATIONS = (ROOT / "docs" / "operations.md").read_text()
@@ -50,7 +50,7 @@ def files(text: str) -> dict[str, str]:
 
 #: Commands run elsewhere in the suite, exactly as the README shows them.
 RUN_ELSEWHERE = {
-    "scripts/demo": "tests/test_example.py runs it in a subprocess",
+    "scripts/demo": "tests/acceptance/test_example.py runs it in a subprocess",
     "scripts/test": ".ci/run runs it (this suite)",
 }
 
@@ -60,7 +60,7 @@ def test_readme_commands_are_the_ones_tests_run() -> None:
     assert "scripts/demo" in found and "scripts/test" in found
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^bash scripts/test\b", ci, flags=re.M), ci
-    assert "scripts/demo" in (ROOT / "tests" / "test_example.py").read_text()
+    assert "scripts/demo" in (ROOT / "tests" / "acceptance" / "test_example.py").read_text()
     others = [c for c in found if c not in RUN_ELSEWHERE]
     started = commands(GETTING_STARTED)
     assert others and all(c in started for c in others), (others, started)

@@ -50,7 +50,7 @@ per operation (``direct`` is a store on the same server, not behind the proxy):
 
 SQLite is not here: it is embedded, every operation a call into a library on a
 local file, so no reply crosses a connection that could lose it. The etcd
-store has the same class of test in tests/test_etcd_limits.py.
+store has the same class of test in tests/contract/test_etcd_limits.py.
 """
 
 from __future__ import annotations

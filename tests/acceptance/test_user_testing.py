@@ -7,7 +7,7 @@ temporary SQLite result file, nothing in the current directory), and a real
 worker thread (``celery.contrib.testing.worker.start_worker``), never eager
 mode. The lease store is celery_lease.testing's in-memory one: this proves the
 helpers and the task's outcomes as a user sees them, not a store invariant
-(those are in test_store_contract.py and the worker suites).
+(those are in tests/contract/test_store_contract.py and the worker suites).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def test_the_docs_example_runs(pytester: pytest.Pytester, request: Any, store: s
     import re
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "testing.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "testing.md").read_text()
     [example] = re.findall(r"```python\n(.*?)```", doc, flags=re.S)
     pytester.makepyfile(test_example=example)
     # -p: in a checkout whose installed metadata predates the pytest11 entry point.

@@ -201,7 +201,7 @@ def test_a_worker_start_drops_the_files_dead_processes_left(
     done = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mpdir)},
-        cwd=str(Path(__file__).resolve().parent.parent),
+        cwd=str(Path(__file__).resolve().parents[2]),
         check=True,
         capture_output=True,
     )

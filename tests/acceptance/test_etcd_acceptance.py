@@ -11,7 +11,7 @@
    new owner's result stands; a SIGKILLed prefork child's work is redone with a
    newer token and exactly one result is accepted.
 
-The helpers and the worker cluster are those of tests/test_task_acceptance.py
+The helpers and the worker cluster are those of tests/acceptance/test_task_acceptance.py
 (there with Redis and PostgreSQL lease stores).
 """
 
@@ -25,11 +25,7 @@ import pytest
 import celery_lease
 from celery_lease import DuplicateResult, Lease, LeaseStore, StaleFencingToken
 from celery_lease.results import MODES, ResultTable
-from tests.etcd_cluster import etcd_cluster, etcd_url  # noqa: F401 - fixtures
-from tests.results_helpers import result_rows
-from tests.servers import RedisServer, wait_for
-from tests.store_fixtures import new_key, wait_until_expired
-from tests.test_task_acceptance import (
+from tests.acceptance.test_task_acceptance import (
     Cluster,
     backend_state,
     gone,
@@ -37,6 +33,10 @@ from tests.test_task_acceptance import (
     kill_child,
     lapsed,
 )
+from tests.etcd_cluster import etcd_cluster, etcd_url  # noqa: F401 - fixtures
+from tests.results_helpers import result_rows
+from tests.servers import RedisServer, wait_for
+from tests.store_fixtures import new_key, wait_until_expired
 from tests.workers import _state
 
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(120)]

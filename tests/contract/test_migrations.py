@@ -35,7 +35,7 @@ from celery_lease.sql.queries import CLAIM_LOOKUP_FN, REGISTER_LOOKUP_FN
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TABLES = {"celery_lease_leases", "celery_lease_results", "celery_lease_fences"}
 
 

@@ -1,6 +1,6 @@
 """The lease-store contract, part two: TTL limits and evict by token, on every store.
 
-Run like tests/test_store_contract.py (same stores, same real servers), kept
+Run like tests/contract/test_store_contract.py (same stores, same real servers), kept
 apart so neither module grows past a readable size:
 
 * a TTL up to :data:`celery_lease.stores.base.MAX_TTL` (one year) is granted,
@@ -21,9 +21,9 @@ import pytest
 
 from celery_lease import LeaseConfigError, LeaseStore
 from celery_lease.stores.base import MAX_TTL
+from tests.contract.test_store_contract import A, B, claim_ok, resolution, state
 from tests.etcd_cluster import etcd_cluster, etcd_url  # noqa: F401 - fixtures
 from tests.store_fixtures import ALL_STORE_KINDS, new_key, store_url
-from tests.test_store_contract import A, B, claim_ok, resolution, state
 
 pytestmark = pytest.mark.timeout(60)
 

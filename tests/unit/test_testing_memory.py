@@ -1,7 +1,8 @@
 """What celery_lease.testing adds to the store contract: the controllable clock,
 expire / take_over, spaces shared by URL, and the thread safety of one space.
 
-(The store contract itself runs on the memory store in test_store_contract.py.)
+(The store contract itself runs on the memory store in
+tests/contract/test_store_contract.py.)
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import sqlite3
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_demo_command_plays_the_timeline(tmp_path: Path) -> None:

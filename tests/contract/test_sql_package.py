@@ -11,7 +11,7 @@ import pytest
 from celery_lease.sql import PG_TRAFFIC, count_pg_traffic, database, functions, queries
 from celery_lease.sql.dialects import DIALECTS, rendered
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: The start of a statement in a string literal: a keyword, then the words that follow it.
 SQL_TEXT = re.compile(
     r"""["'](?:\s*)(SELECT\s+\S|INSERT\s+INTO|UPDATE\s+\w+\s+SET|DELETE\s+FROM|WITH\s+\w+\s+AS"""

@@ -1,0 +1,1 @@
+"""Each store and the SQL layer against real servers (no celery worker)."""

@@ -1,0 +1,1 @@
+"""Tests that start no server: pure logic, the in-memory store, static checks."""
