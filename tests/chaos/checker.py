@@ -1,7 +1,7 @@
 """The chaos suite's checker: the invariants of DESIGN.md, decided from independent records.
 
 Inputs (all plain data, so the checker is tested on hand-made histories in
-``tests/test_chaos_checker.py``):
+``tests/chaos/test_chaos_checker.py``):
 
 * **submissions** -- what the harness published: task id, key, policy
   (``exclusive``, ``once``, ``once_return``);
