@@ -8,7 +8,7 @@
 #                        the requirements files did not change.
 #   ensure_test_venv     the test suite's venv: ensure_venv $EXTRAS (default
 #                        redis,postgres,etcd,prometheus: the published extras)
-#                        plus requirements/{test,bench,docs}.txt, the tools
+#                        plus requirements/{test,gates,bench,docs}.txt, the tools
 #                        that are not published extras (scripts/test, .ci/run).
 
 ROOT=${ROOT:-$PWD}
@@ -64,7 +64,7 @@ ensure_venv() {
     printf '%s\n' "$want" >>"$stamp"
 }
 
-TEST_REQUIREMENTS=(requirements/test.txt requirements/bench.txt requirements/docs.txt)
+TEST_REQUIREMENTS=(requirements/test.txt requirements/gates.txt requirements/bench.txt requirements/docs.txt)
 
 ensure_test_venv() {
     ensure_venv "${EXTRAS:-redis,postgres,etcd,prometheus}" "${TEST_REQUIREMENTS[@]}"

@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import kombu
 import pytest
 from sqlalchemy import Engine, create_engine, text
 
@@ -64,6 +65,16 @@ from celery_lease.results import ResultTable
 from tests.apps.leaseapp import build
 from tests.servers import RedisServer, wait_for
 from tests.workers import Worker, _state, read_log
+
+#: The two visibility-timeout tests need the broker to restore the unacked
+#: message while its owner still runs. kombu 5.7 restores on the transport
+#: option ``unacked_restore_interval`` (1 s in tests/apps/leaseapp.py); with
+#: kombu 5.6 (what Celery 5.3-5.5 install) no restore was seen within 39 s of
+#: a 2 s visibility timeout, so the fault these tests need does not happen.
+needs_prompt_restore = pytest.mark.skipif(
+    tuple(int(x) for x in kombu.__version__.split(".")[:2]) < (5, 7),
+    reason="kombu < 5.7 does not restore an unacked message within the test's time",
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -332,6 +343,7 @@ def test_canonical_timeline_paused_owner_is_fenced(
 # --------------------------------------------------------------------------
 
 
+@needs_prompt_restore
 def test_visibility_timeout_redelivery_is_deferred_and_the_body_runs_once(
     make_cluster: Callable[..., Cluster],
 ) -> None:
@@ -410,6 +422,7 @@ def test_sigkill_of_the_child_redoes_the_work_with_a_newer_token(
     assert len(c.starts(t1.id)) == 2 and len(c.ends(t1.id)) == 1
 
 
+@needs_prompt_restore
 def test_redelivered_copy_deferred_by_the_live_owner_survives_the_owner_sigkill(
     make_cluster: Callable[..., Cluster],
 ) -> None:

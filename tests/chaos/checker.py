@@ -565,6 +565,12 @@ def _check_accepted_outcome(
         else:
             continue
         if b is None or b.state != "SUCCESS":
+            unfinished = b is None or b.state not in FINAL
+            if unfinished and s.task_id in h.transport_lost and h.broker == "redis":
+                # The copy that would have stored SUCCESS (a redelivery, or the
+                # deferral of one) was lost by the Redis transport itself, as
+                # the AOF proves: counted with lost_broker, as for lost_task.
+                continue
             state = b.state if b else "no state (PENDING)"
             if b is not None and b.exc_type:
                 state = f"{state} {b.exc_type}{b.exc_args!r}"

@@ -61,6 +61,8 @@ LONG_OUTAGE_MAX = 40.0
 PROBE_TTL = 1.0
 #: how long a long outage waits for the earlier probes to end before it starts
 PROBE_SETTLE = 60.0
+#: a probe not delivered this long after its publish is taken as lost (broker fault)
+PROBE_UNSEEN = 8.0
 #: how long ``kill_after_commit`` waits for a commit on the armed worker: an
 #: outage of the lease store or the result database (another fault, maybe a
 #: long one) stops every commit meanwhile
@@ -258,21 +260,26 @@ class ServerFaults:
         first, comes from a deferral: the outage outlasted the budget), or
         ``LONG_OUTAGE_MAX`` seconds; then start it again."""
         # The probe must find the probe worker free: an earlier probe still
-        # being delivered (its outage ended mid-deferral) would hold the one
-        # slot, and this probe would wait behind it and prove nothing.
+        # being delivered (its outage ended mid-deferral) would hold a slot,
+        # and this probe would wait behind it and prove nothing.
         self._probes_settled(PROBE_SETTLE)
-        probe_id = str(uuid.uuid4())
-        key = f"p-{probe_id[:8]}"
         started = time.monotonic()
         stop()
+        probes: list[str] = []
         try:
             refused = _refused(server.port)
             if self.publish_probe is None:
                 raise RuntimeError("no probe publisher")
-            self.publish_probe(probe_id, key)
-            deliveries = 0
+            deliveries, published = 0, 0.0
             while time.monotonic() - started < LONG_OUTAGE_MAX:
-                deliveries = self._probe_deliveries(probe_id)
+                if not probes or (deliveries == 0 and time.monotonic() - published > PROBE_UNSEEN):
+                    # A probe never delivered was lost with a broker fault
+                    # (a hard restart drops what its AOF had not synced): publish
+                    # another one.
+                    probes.append(str(uuid.uuid4()))
+                    self.publish_probe(probes[-1], f"p-{probes[-1][:8]}")
+                    published = time.monotonic()
+                deliveries = self._probe_counts(probes[-1:])[0].get(probes[-1], 0)
                 if deliveries > DEFER_MAX:
                     # The last delivery must meet the outage too, to its end: past
                     # its claim's retries (store) or its lease (result database).
@@ -282,8 +289,9 @@ class ServerFaults:
             refused_at_end = _refused(server.port)
         finally:
             server.start()
-            self._probes.append(probe_id)  # must end before the next outage starts
+            self._probes.extend(probes)  # each must end before the next outage starts
         seconds = time.monotonic() - started
+        probe_id = probes[-1]
         if deliveries <= DEFER_MAX:
             # The server was away, but not for as long as the kind says: not counted.
             raise RuntimeError(
@@ -291,52 +299,50 @@ class ServerFaults:
                 f"time(s), not more than lease_defer_max={DEFER_MAX}"
             )
         return {"server": what, "seconds": round(seconds, 2), "refused": refused,
-                "refused_at_end": refused_at_end, "probe": probe_id, "probe_key": key,
+                "refused_at_end": refused_at_end, "probe": probe_id,
+                "probe_key": f"p-{probe_id[:8]}", "probes_published": len(probes),
                 "probe_deliveries": deliveries, "lease_defer_max": DEFER_MAX,
                 "lease_store_retry": STORE_RETRY,
                 "outlasted_budget": deliveries > DEFER_MAX
                 and seconds > DEFER_MAX * STORE_RETRY}  # fmt: skip
 
     def _probes_settled(self, timeout: float) -> None:
-        """Wait until the probe of every ended outage ended (SUCCESS or FAILURE
-        in the history); raise if one has not within ``timeout`` seconds."""
+        """Wait until every delivered probe of an ended outage ended (SUCCESS or
+        FAILURE in the history); raise if one has not within ``timeout`` s.
+        A probe never delivered was lost by the broker: nothing to wait for."""
         deadline = time.monotonic() + timeout
         while True:
-            open_ = set(self._probes) - self._ended(self._probes)
+            delivered, ended = self._probe_counts(self._probes)
+            open_ = set(delivered) - ended
             if not open_:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"earlier probe(s) {sorted(open_)} not ended: not started")
             time.sleep(0.25)
 
-    def _ended(self, task_ids: list[str]) -> set[str]:
-        path = Path(self.c.history)
-        if not path.exists():
-            return set()
-        wanted = {t.encode(): t for t in task_ids}
+    def _probe_counts(self, task_ids: list[str]) -> tuple[dict[str, int], set[str]]:
+        """Per probe, its deliveries (``prerun`` lines) and whether it ended."""
+        delivered: dict[str, int] = {}
         ended: set[str] = set()
+        path = Path(self.c.history)
+        if not task_ids or not path.exists():
+            return delivered, ended
+        wanted = {t.encode(): t for t in task_ids}
         with open(path, "rb") as fh:
             for line in fh:
-                if b'"ev": "postrun"' not in line or not (
+                prerun = b'"ev": "prerun"' in line
+                final = b'"ev": "postrun"' in line and (
                     b'"SUCCESS"' in line or b'"FAILURE"' in line
-                ):
+                )
+                if not (prerun or final):
                     continue
                 for needle, task_id in wanted.items():
                     if needle in line:
-                        ended.add(task_id)
-        return ended
-
-    def _probe_deliveries(self, task_id: str) -> int:
-        path = Path(self.c.history)
-        if not path.exists():
-            return 0
-        needle = task_id.encode()
-        n = 0
-        with open(path, "rb") as fh:
-            for line in fh:
-                if needle in line and b'"ev": "prerun"' in line:
-                    n += 1
-        return n
+                        if prerun:
+                            delivered[task_id] = delivered.get(task_id, 0) + 1
+                        else:
+                            ended.add(task_id)
+        return delivered, ended
 
     # -- a child dies between the commit and the backend write ----------------------
 

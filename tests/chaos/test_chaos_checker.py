@@ -229,6 +229,18 @@ def test_an_accepted_task_left_unfinished_in_the_backend_is_reported(state: str)
     assert len(found) == 1 and "T2" in found[0].detail and state in found[0].detail
 
 
+def test_an_accepted_task_whose_storing_copy_the_redis_transport_lost_is_counted_apart() -> None:
+    # Its committer was killed before the backend write; the copy that would
+    # have stored SUCCESS was then lost by the transport (AOF-proven).
+    h = clean()
+    del h.backend["T2"]
+    h.transport_lost = {"T2": "popped, never unacked"}
+    report = check(h)
+    assert report.violations == [] and report.lost_broker == ["T2"]
+    h.broker = "amqp"  # RabbitMQ loses nothing: there it is a violation
+    assert {"accepted_outcome", "lost_task"} <= kinds(h)
+
+
 def test_an_accepted_task_with_no_backend_state_at_all_is_reported() -> None:
     h = clean()
     del h.backend["T1"]
