@@ -53,6 +53,8 @@ KINDS = (
     *SERVER_KINDS,
 )
 SKEWS = ("+1h", "-1h")
+#: the kinds that also hold the broker's lock (no broker fault while they last)
+LONG_OUTAGES = ("store_long_outage", "results_long_outage")
 
 
 class Injector(ServerFaults):
@@ -143,7 +145,16 @@ class Injector(ServerFaults):
             "results_long_outage": "pg",
         }[kind]
         lock = self.c.locks[name]
-        return name if lock.acquire(blocking=False) else None
+        if not lock.acquire(blocking=False):
+            return None
+        if kind in LONG_OUTAGES:
+            # The broker stays up through a long outage: its probe must be
+            # delivered, again and again, to prove the outage outlasted the
+            # deferral budget; broker faults meanwhile lost or delayed it.
+            if not self.c.locks["broker"].acquire(blocking=False):
+                lock.release()
+                return None
+        return name
 
     def _apply(self, kind: str, target: Any) -> None:
         start = time.time()
@@ -162,6 +173,8 @@ class Injector(ServerFaults):
                 target.lock.release()
             else:
                 self.c.locks[target].release()
+                if kind in LONG_OUTAGES:
+                    self.c.locks["broker"].release()
         entry["end"] = time.time()
         entry["target"] = target.name if isinstance(target, ChaosWorker) else target
         self._append(entry)

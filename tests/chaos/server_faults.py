@@ -12,7 +12,8 @@ a bounded spell; the proof goes into ``faults.jsonl`` with the fault.
                         on the result database and its backends terminated, 2..4 s
 ``store_long_outage``   the lease store stopped until a probe task was delivered
                         more than ``lease_defer_max`` times (bounded)
-``results_long_outage`` likewise PostgreSQL (the fenced result table)
+``results_long_outage`` likewise PostgreSQL (the fenced result table); no broker
+                        fault runs during either (the probe must be delivered)
 ``kill_after_commit``   a prefork child SIGKILLs itself between the accepted fenced
                         commit and the result-backend write (armed, one shot)
 
