@@ -7,20 +7,16 @@
 Each session installs the package with its published extras, pins the three
 libraries to the oldest supported line (``celery~=5.3.0``, ``redis~=5.0``,
 ``SQLAlchemy~=2.0.0``) or leaves them at the newest, adds the suite's tools
-(requirements/test.txt) and runs a fast cross-section of the suite: the store
-contract, the settings and the task acceptance tests with real workers. The
-servers come from the machine, as for scripts/test (run scripts/test once as
-root to install them). Interpreters nox cannot find are skipped.
+(requirements/test.txt), checks ``pip check`` and runs a cross-section of the
+suite: the unit tests, the store contract, the settings and the task
+acceptance tests with real workers. The servers come from the machine, as for
+scripts/test (run scripts/test once as root to install them). Interpreters
+nox cannot find are skipped: on a pyenv machine put them on PATH first, e.g.
+``PATH=$(echo ~/.pyenv/versions/3.1[0-3]*/bin | tr ' ' :):$PATH nox -s tests``.
 
-What CI runs is scripts/test on the machine's Python with the newest of
-everything; this matrix is run by hand. Run so far (Python 3.11 only, the one
-interpreter on the development machine): the oldest cell, celery 5.3.6 with
-kombu 5.6.2, redis-py 5.3.1, SQLAlchemy 2.0.58: 234 passed, 2 failed (the two
-visibility-timeout redelivery tests of test_task_acceptance.py time out waiting
-for the broker to restore the message: the fault they need does not happen in
-15 s there); and the newest of everything (CI). Never run: Python 3.10, 3.12,
-3.13, and the mixed cells. The newest Celery with redis-py 5 is skipped: its
-redis extra requires redis-py >= 6.4.
+.ci/run runs scripts/test (the newest of everything, the machine's Python)
+and then ``nox -s oldest``. The last full run of ``nox -s tests`` and what
+each cell installed are in CONTRIBUTING.md ("Version matrix").
 """
 
 from __future__ import annotations

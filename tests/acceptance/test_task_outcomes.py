@@ -326,3 +326,49 @@ def test_a_frozen_broker_never_stalls_the_renewal_of_other_leases(
         assert _state(broker.pid) == "T"
     finally:
         broker.resume()
+
+
+# --------------------------------------------------------------------------
+# 6. a copy of a finished task id while the lease store is down
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known defect: a copy of a task id whose result is accepted defers through a "
+    "lease-store outage instead of being retired (claim.store_down is decided before any "
+    "look-up); copies multiplied by broker reconnects then circulate until the store is back",
+)
+def test_a_copy_of_a_finished_task_is_retired_while_the_lease_store_is_down(
+    cluster: Callable[..., tuple[Cluster, RedisServer]],
+) -> None:
+    """Seen in the long chaos run: copies of a finished probe task (redelivered,
+    restored at broker reconnects) were delivered 681 times over ten minutes,
+    each deferring again during every lease-store outage and taking a pool
+    slot, while the result database, which knows the task is done, was up."""
+    c, store = cluster(settings={"lease_store_retry": 0.3}, separate_store=True)
+    w = _worker(c, "a")
+    key = _key("finished")
+    res = c.tasks.work.delay(key, sleep=0.1, tag="done")
+    value = res.get(timeout=30)
+    accepted = c.table.accepted(key)
+    assert accepted is not None and accepted.task_id == res.id and accepted.value == value
+    store.stop()
+    assert refused(store.port), "the lease store still answers"
+    # A copy of the finished task id, as a broker restore or a deferral makes one.
+    c.tasks.work.apply_async((key,), {"sleep": 0.1, "tag": "done"}, task_id=res.id)
+    wait_for(
+        lambda: w.log_text().count(f"[{res.id}] received") >= 2,
+        30,
+        "the copy's delivery while the store is down",
+    )
+    wait_for(
+        lambda: (
+            f"LEASE_REJECTED {res.id}" in w.log_text() or f"LEASE_DEFERRED {res.id}" in w.log_text()
+        ),
+        30,
+        "the copy's outcome",
+    )
+    assert refused(store.port), "the store came back before the copy was decided"
+    assert f"LEASE_DEFERRED {res.id}" not in w.log_text(), "the finished task's copy deferred"
+    assert c.backend_state(res.id)[0] == "SUCCESS"
