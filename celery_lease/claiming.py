@@ -51,6 +51,7 @@ def claim(ex: Execution) -> HeldLease:
             error=error,
             retry_left=time.monotonic() < deadline,
             wait_left=time.monotonic() < waited_until,
+            commit=ex.opts.commit,
         )
         if error is None:
             metrics.claim_latency.observe(time.perf_counter() - started)

@@ -14,6 +14,7 @@ untouched; copy.* rows apply after a raised body and a refused commit alike)::
     claim.granted         lease granted -> RUN
     claim.retry           store unavailable, lease_store_retry left -> RETRY
     claim.store_down      store unavailable past lease_store_retry -> DEFER uncounted, default
+    claim.store_done      store unavailable, this task id accepted, backend SUCCESS -> REJECT_ENDED
     claim.same_id         busy by this task id -> DEFER uncounted, holder's remaining
     claim.reject          busy by another task id, reject -> REJECT conflict
     claim.wait            busy by another task id, wait, time left -> WAIT, claim again
@@ -221,6 +222,9 @@ class Claim:
     retry_left: bool = False  # lease_store_retry not spent
     wait_left: bool = False  # lease_wait_timeout not spent
     holder: Holder | Unread | None = UNREAD
+    commit: bool = False  # the task records its result in the fenced table
+    mine: bool | Unread | None = UNREAD  # this task id committed (None: unreadable)
+    own_state: BackendState | Unread | None = UNREAD  # None: unreadable
 
 
 def decide_claim(c: Claim) -> Outcome | Read:
@@ -229,6 +233,20 @@ def decide_claim(c: Claim) -> Outcome | Read:
     if c.error is not None:
         if c.retry_left:
             return Outcome("claim.retry", Act.RETRY)
+        if c.commit and c.mine is UNREAD:
+            # A copy of finished work (a broker restore, a deferral) must not
+            # circulate through the outage: every copy would defer again, and
+            # broker reconnects multiply them. The result table can tell.
+            return Read.MINE
+        if c.mine is True and c.own_state is UNREAD:
+            return Read.OWN_STATE
+        if (
+            c.mine is True
+            and isinstance(c.own_state, BackendState)
+            and c.own_state.status == SUCCESS
+        ):
+            reason = "this task id's result is accepted and stored"
+            return Outcome("claim.store_done", Act.REJECT_ENDED, reason)
         reason = f"lease store unavailable: {c.error}"
         return Outcome("claim.store_down", Act.DEFER, reason, countdown=_default(c.ttl))
     if c.holder is UNREAD:

@@ -341,12 +341,16 @@ class Execution:
         self.carry_out(outcome, exc)
 
     def carry_out(self, outcome: Outcome, exc: LeaseError | None = None) -> NoReturn:
-        """Carry out a DEFER, REQUEUE, LEAVE_TO_COPY or REJECT (of ``exc``)."""
+        """Carry out a DEFER, REQUEUE, LEAVE_TO_COPY, REJECT_ENDED or REJECT (of ``exc``)."""
         if outcome.act is Act.DEFER:
             self.defer(outcome.countdown, outcome.reason, counted=outcome.counted)
         if outcome.act is Act.REQUEUE:
             self.republish(0.0, reason=outcome.reason)
         if outcome.act is Act.LEAVE_TO_COPY:
+            raise Ignore()
+        if outcome.act is Act.REJECT_ENDED:
+            metrics.claims.labels("redelivery").inc()
+            self.event(events.LEASE_REJECTED, reason=outcome.reason)
             raise Ignore()
         assert outcome.act is Act.REJECT, outcome
         if exc is None:

@@ -333,12 +333,6 @@ def test_a_frozen_broker_never_stalls_the_renewal_of_other_leases(
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: a copy of a task id whose result is accepted defers through a "
-    "lease-store outage instead of being retired (claim.store_down is decided before any "
-    "look-up); copies multiplied by broker reconnects then circulate until the store is back",
-)
 def test_a_copy_of_a_finished_task_is_retired_while_the_lease_store_is_down(
     cluster: Callable[..., tuple[Cluster, RedisServer]],
 ) -> None:
@@ -371,4 +365,6 @@ def test_a_copy_of_a_finished_task_is_retired_while_the_lease_store_is_down(
     )
     assert refused(store.port), "the store came back before the copy was decided"
     assert f"LEASE_DEFERRED {res.id}" not in w.log_text(), "the finished task's copy deferred"
+    assert "this task id's result is accepted and stored" in w.log_text()
     assert c.backend_state(res.id)[0] == "SUCCESS"
+    assert len(c.rows("start", res.id)) == 1, "the body ran once"
