@@ -336,10 +336,11 @@ def test_a_frozen_broker_never_stalls_the_renewal_of_other_leases(
 def test_a_copy_of_a_finished_task_is_retired_while_the_lease_store_is_down(
     cluster: Callable[..., tuple[Cluster, RedisServer]],
 ) -> None:
-    """Seen in the long chaos run: copies of a finished probe task (redelivered,
-    restored at broker reconnects) were delivered 681 times over ten minutes,
-    each deferring again during every lease-store outage and taking a pool
-    slot, while the result database, which knows the task is done, was up."""
+    """Copies of a finished task (broker restores, old deferrals) must not
+    circulate through a lease-store outage: the deferral marker that dedupes
+    them lives in the store, so each would defer again at every delivery and
+    broker reconnects multiply them. The result table, still up, says the
+    work is done."""
     c, store = cluster(settings={"lease_store_retry": 0.3}, separate_store=True)
     w = _worker(c, "a")
     key = _key("finished")
