@@ -309,8 +309,15 @@ class ServerFaults:
 
     def _probes_settled(self, timeout: float) -> None:
         """Wait until every delivered probe of an ended outage ended (SUCCESS or
-        FAILURE in the history); raise if one has not within ``timeout`` s.
-        A probe never delivered was lost by the broker: nothing to wait for."""
+        FAILURE in the history), for at most ``timeout`` s.
+
+        A probe never delivered was lost by the broker: nothing to wait for. A
+        probe that has not ended by then is no longer waited for (logged): its
+        last copy went with a broker fault after the outage (a hard restart
+        drops what the AOF had not synced), and waiting for it would refuse
+        every later long outage. The checker still judges it at the end: lost
+        by the transport, or a violation.
+        """
         deadline = time.monotonic() + timeout
         while True:
             delivered, ended = self._probe_counts(self._probes)
@@ -318,7 +325,12 @@ class ServerFaults:
             if not open_:
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"earlier probe(s) {sorted(open_)} not ended: not started")
+                self._probes = [p for p in self._probes if p not in open_]
+                self.log(
+                    f"probe(s) {sorted(open_)} not ended within {timeout:.0f}s: "
+                    "no longer waited for (the checker judges them)"
+                )
+                return
             time.sleep(0.25)
 
     def _probe_counts(self, task_ids: list[str]) -> tuple[dict[str, int], set[str]]:
