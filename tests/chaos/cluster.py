@@ -48,6 +48,8 @@ __all__ = ["DEFER_MAX", "STORE_RETRY", "ChaosWorker", "Cluster"]
 
 #: the probe worker's ``lease_defer_max``: a long outage outlasts this many deferrals
 DEFER_MAX = 3
+#: pool slots of the probe worker (the long outages' probes)
+PROBE_CONCURRENCY = 4
 #: every worker's ``lease_store_retry`` (seconds)
 STORE_RETRY = 1.0
 
@@ -259,9 +261,12 @@ class Cluster:
             w = ChaosWorker(f"w{i}", self.env, self.logdir, pool=pool, concurrency=self.concurrency)
             self.workers.append(w)
             w.launch()
+        # Four slots: copies of an earlier probe that are still deferring (an
+        # outage's copies multiply when a broker reconnect restores them next
+        # to their re-published successors) must leave a slot for the new one.
         self.probe = ChaosWorker(
             "probe", {**self.env, "CHAOS_DEFER_MAX": str(DEFER_MAX)}, self.logdir,
-            pool="prefork", concurrency=2, extra_args=("-Q", "chaos.probe"),
+            pool="prefork", concurrency=PROBE_CONCURRENCY, extra_args=("-Q", "chaos.probe"),
         )  # fmt: skip
         self.probe.launch()
         for w in self.all_workers():
