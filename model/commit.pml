@@ -41,15 +41,13 @@ commit:
   :: else -> skip
   fi;
 #endif
-  /* 1. lock the key's fence row; a newer registered token: stale */
+  /* 1. lock the key's fence row; a newer registered token: stale (a lock
+   * that fails is the lock, then step 2 failing at once) */
   if
   CRASH
   :: atomic {
        SPARE_GUARD flock[k] == 0 -> CM_ENTER
-       if
-       :: true -> fence_lock(w, k, tok, r, txf)
-       :: LOSSY; r = UNAVAIL
-       fi;
+       fence_lock(w, k, tok, r, txf);
        if
        :: r == OK -> printf("@ w%d commit: locks the fence row (%d), token %d\n", w, fence[k], tok)
        :: r == STALE -> printf("@ w%d commit: fence row %d is newer than token %d: stale\n", w, fence[k], tok)

@@ -38,7 +38,8 @@ bit viol_stale_copy_write, viol_backend_flip;
 bit viol_accepted_outcome, viol_lost_key, viol_unfinished_task;
 
 #define CHECK(v, cond) if :: !(cond) -> v = 1 :: else -> skip fi; assert(!v)
-/* A property can be left out of a run (-DOFF_TWO_GRANTS, -DOFF_STALE_LEASE),
+/* A property can be left out of a run (-DOFF_TWO_GRANTS, -DOFF_STALE_LEASE,
+ * -DOFF_STALE_COPY_WRITE),
  * or every one but the result table's (-DRESULTS_ONLY: stale_accept,
  * once_double, task_double, token_order): the search then finds what else
  * breaks under the same fault or mutation. */
@@ -105,11 +106,13 @@ inline on_accept(k, t, T, w) {
  * SUCCESS the token whose accepted value it carries. */
 inline be_write(T, st, val, t) {
 #ifndef OFF_BACKEND
+#ifndef OFF_STALE_COPY_WRITE
   CHECK(viol_stale_copy_write,
         (task_acc[T] != 0 && st == SUCCESS && val == task_acc[T])
         || (ONCE && task_acc[T] == 0 && acc_n[KEY(T)] > 0 && st == FAILURE)
         || (task_acc[T] == 0 && !(ONCE && acc_n[KEY(T)] > 0)
             && !(g_newest_task[KEY(T)] == T + 1 && g_end[KEY(T)] == VALID && g_newest[KEY(T)] > t)));
+#endif
   CHECK(viol_backend_flip, be_st[T] == PENDING || (be_st[T] == st && be_val[T] == val));
 #endif
   be_st[T] = st;

@@ -209,6 +209,10 @@ prepare:
   :: at != 0 -> goto copy_of_accepted
   :: else -> skip
   fi;
+  /* @code celery_lease/reads.py:Reads._may_be_a_late_copy "return not _broker_marks_redeliveries(self.ex.app)" */
+#ifdef SPARE_LATE_ORIGINAL
+  late = 1; /* the bound: every copy reads its state, as on a transport that marks no redelivery */
+#endif
   if
   :: late ->
      /* @code celery_lease/decide.py:decide_start "if s.own_state is not None and s.own_state.lease_failure:" */
