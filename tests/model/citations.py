@@ -22,7 +22,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "model"
 
-CITATION = re.compile(r'@code\s+(?P<path>[\w/.]+\.py):(?P<name>[\w.]+)\s+"(?P<fragment>(?:[^"\\]|\\.)*)"')
+CITATION = re.compile(
+    r'@code\s+(?P<path>[\w/.]+\.py):(?P<name>[\w.]+)\s+"(?P<fragment>(?:[^"\\]|\\.)*)"'
+)
 
 
 @dataclass(frozen=True)
