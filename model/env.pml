@@ -55,11 +55,16 @@ end_faults:
 #endif
 
 /* The renewal timer of worker w's running grant (renewal.py: one thread per
- * process). A refused renewal makes the local view lost. */
-#define RENEW(w) :: atomic { w_tok[w] != 0 && !w_lapsed[w] && !w_lost[w] && !w_detached[w] -> \
+ * process). A refused renewal makes the local view lost. Once the handle is
+ * detached (the commit deciding, or released) a renewal sent before may
+ * still land: the store must refuse it after the release (invariant 10);
+ * its answer no longer changes the handle. */
+#define RENEW(w) :: atomic { w_tok[w] != 0 && !w_lapsed[w] && !w_lost[w] -> \
     st_renew(KEY(wtask[w] - 1), w_tok[w], rr); \
     if :: rr == YES -> on_renewed(KEY(wtask[w] - 1), w_tok[w]) \
-       :: else -> w_lost[w] = 1; printf("@ w%d's renewal of token %d is refused\n", w, w_tok[w]) fi; rr = 0 }
+       :: rr != YES && !w_detached[w] -> w_lost[w] = 1; \
+          printf("@ w%d's renewal of token %d is refused\n", w, w_tok[w]) \
+       :: else -> skip fi; rr = 0 }
 
 /* Without a failover a renewal is refused only once the lease ran out,
  * which the expiry already tells its holder: a liveness run leaves it out. */
