@@ -68,6 +68,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="also run tests marked 'slow' (soak, chaos, benchmarks); same as CELERY_LEASE_SLOW=1",
     )
+    group.addoption(
+        "--model-deep",
+        action="store_true",
+        default=False,
+        help="tests/model: check the protocol model with the deep bounds (minutes per "
+        "configuration) instead of the default ones",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -132,6 +139,16 @@ def _missing_binary(exc: FileNotFoundError) -> None:
     if os.environ.get("CI"):
         pytest.fail(message, pytrace=False)
     pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def spin_tools() -> None:
+    """spin and gcc, which tests/model needs to check the protocol model."""
+    from tests.model.spin import tools
+
+    missing = tools()
+    if missing:
+        _missing_binary(FileNotFoundError(f"{' and '.join(missing)} not found on PATH"))
 
 
 @pytest.fixture(scope="session")
