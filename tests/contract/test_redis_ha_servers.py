@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import redis
@@ -20,19 +21,20 @@ from tests.servers import LOOPBACK
 
 pytestmark = pytest.mark.timeout(180)
 
+D = TypeVar("D", SentinelDeployment, ClusterDeployment)
+
 
 @pytest.fixture
 def sentinel_deployment(tmp_path: Path) -> Iterator[SentinelDeployment]:
-    deployment = SentinelDeployment(tmp_path)
-    try:
-        yield deployment.start()
-    finally:
-        deployment.stop()
+    yield from _running(SentinelDeployment(tmp_path))
 
 
 @pytest.fixture
 def cluster_deployment(tmp_path: Path) -> Iterator[ClusterDeployment]:
-    deployment = ClusterDeployment(tmp_path)
+    yield from _running(ClusterDeployment(tmp_path))
+
+
+def _running(deployment: D) -> Iterator[D]:
     try:
         yield deployment.start()
     finally:
