@@ -65,18 +65,27 @@ def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> N
     sig = ex.task.signature_from_request(ex.req, ex.args, ex.kwargs, headers=headers, **when)
     try:
         sig.apply_async()
-    except events.broker_errors(ex.app) as e:
-        # The copy could not be handed to the broker (it is restarting): give
-        # this message back instead of ending the task FAILURE (or acking the
-        # work away); the broker delivers it again once it is back. Without
-        # acks_late the message is gone already: let the error stand.
+    except Exception as e:
+        # The copy was not handed to the broker. Under acks_late give this
+        # message back instead: it is delivered again once the broker (or
+        # kombu's connection) is back, and nothing of the task is decided.
+        # Ending it FAILURE here would write FAILURE over a task id whose
+        # other copy (a broker restore) may still succeed. Any error, not
+        # only the transport's: a publish during a reconnect can also fail
+        # inside kombu (an AttributeError on a connection torn down under
+        # it). A permanent error cannot come from the copy itself: it is the
+        # message this worker received, re-encoded with the same serializer.
+        # Without acks_late the message is gone already: let the error stand.
         if not ex.task.acks_late:
             raise
-        logger.warning(
-            "could not re-publish %s: message requeued: key=%s reason=%s",
+        transient = isinstance(e, events.broker_errors(ex.app))
+        logger.log(
+            logging.WARNING if transient else logging.ERROR,
+            "could not re-publish %s: message requeued: key=%s reason=%r",
             ex.task_id,
             ex.key,
             e,
+            exc_info=not transient,
             extra={"action": "republish_failed", "task_id": ex.task_id, "lease_key": ex.key},
         )
         raise Reject(e, requeue=True) from e

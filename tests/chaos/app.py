@@ -43,19 +43,35 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from celery import Celery
+from celery import Celery, current_task
 from celery.signals import before_task_publish, task_postrun, task_prerun
 from sqlalchemy import Engine, create_engine, exc, text
 
 from celery_lease import LeasedTask, StaleFencingToken, fencing
+from celery_lease.scope import HEADER_DEFER_ID
 
-__all__ = ["KILL_ARM", "POLICIES", "PROBE_QUEUE", "ChaosTask", "app", "build", "record", "tasks"]
+__all__ = [
+    "KILL_ARM",
+    "POLICIES",
+    "PROBE_QUEUE",
+    "PUBLISH_ARM",
+    "ChaosTask",
+    "app",
+    "build",
+    "record",
+    "tasks",
+]
 
 #: task name suffix per policy
 POLICIES = {"exclusive": "exclusive", "once": "once", "once_return": "once_return"}
 PROBE_QUEUE = "chaos.probe"
 #: the arm file of ``kill_after_commit`` for worker ``<hostname>``, next to the history
 KILL_ARM = "{history}.arm-kill-after-commit.{hostname}"
+#: the arm file of ``publish_error``: the next re-publish on ``<hostname>`` fails
+PUBLISH_ARM = "{history}.arm-publish-error.{hostname}"
+#: a header no transport can encode: the publish fails inside kombu, with a
+#: TypeError of its JSON encoder, not a connection or channel error
+UNENCODABLE = "chaos_unencodable"
 
 
 class ChaosTask(LeasedTask):
@@ -174,6 +190,7 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
             tag=str((getattr(req, "properties", None) or {}).get("delivery_tag", "")),
             redelivered=bool((req.delivery_info or {}).get("redelivered")),
             deferrals=int(getattr(req, "lease_deferrals", 0) or 0),
+            defer_id=getattr(req, HEADER_DEFER_ID, None),
             host=req.hostname,
         )
 
@@ -188,7 +205,11 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
         # CHAOS_CRASH_BEFORE_REPUBLISH=<task id> dies right there (SIGKILL);
         # CHAOS_RUN_BEFORE_REPUBLISH=<task id>:<program> runs the program
         # first (the test's way to stop the broker at that very moment).
+        # A re-publish of a deferral carries lease_defer_id: the armed fault
+        # publish_error (and CHAOS_UNENCODABLE_REPUBLISH=<task id>) fails it.
         task_id = (headers or {}).get("id")
+        if headers is not None and headers.get(HEADER_DEFER_ID):
+            _publish_error(history, headers)
         crash = os.environ.get("CHAOS_CRASH_BEFORE_REPUBLISH")
         run, _, program = os.environ.get("CHAOS_RUN_BEFORE_REPUBLISH", "").partition(":")
         if not task_id or task_id not in (crash, run):
@@ -206,6 +227,30 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
     task_prerun.connect(prerun, weak=False, dispatch_uid=f"chaos.prerun.{id(app)}")
     task_postrun.connect(postrun, weak=False, dispatch_uid=f"chaos.postrun.{id(app)}")
     return app, tasks
+
+
+def _publish_error(history: str | None, headers: dict[str, Any]) -> None:
+    """Make this re-publish fail in kombu's encoder, once per arm (or per task id)."""
+    task_id = headers.get("id")
+    if history and task_id == os.environ.get("CHAOS_UNENCODABLE_REPUBLISH"):
+        flag = f"{history}.unencodable-{task_id}"
+        if not os.path.exists(flag):
+            open(flag, "w").close()
+            headers[UNENCODABLE] = object()
+        return
+    task = current_task
+    hostname = getattr(getattr(task, "request", None), "hostname", None)
+    if not history or not hostname:
+        return
+    arm = PUBLISH_ARM.format(history=history, hostname=hostname)
+    try:
+        with open(arm) as fh:
+            nonce = fh.read().strip()
+        os.unlink(arm)  # one shot
+    except FileNotFoundError:
+        return
+    record(history, "publish_error", task_id=task_id, nonce=nonce, host=hostname)
+    headers[UNENCODABLE] = object()
 
 
 # -- the record --------------------------------------------------------------

@@ -16,10 +16,11 @@ Kinds (``KINDS``):
 
 and the kinds of :mod:`tests.chaos.server_faults` (``store_oom``,
 ``store_readonly``, ``results_readonly``, ``store_long_outage``,
-``results_long_outage``, ``kill_after_commit``), each proven before it counts.
+``results_long_outage``, ``kill_after_commit``, ``publish_error``), each proven
+before it counts.
 
 The next kind is always one of the least injected so far (ties broken by the
-seeded RNG), so a run of n faults has every kind n / 15 times, give or take
+seeded RNG), so a run of n faults has every kind n / 16 times, give or take
 one. Every fault is appended to ``faults.jsonl`` with its real start and end
 time.
 """
@@ -55,6 +56,10 @@ KINDS = (
 SKEWS = ("+1h", "-1h")
 #: the kinds that also hold the broker's lock (no broker fault while they last)
 LONG_OUTAGES = ("store_long_outage", "results_long_outage")
+#: the kinds that act on one worker (its lock taken)
+WORKER_KINDS = (
+    "worker_stop", "child_kill", "worker_kill", "clock_skew", "kill_after_commit", "publish_error",
+)  # fmt: skip
 
 
 class Injector(ServerFaults):
@@ -121,9 +126,9 @@ class Injector(ServerFaults):
 
     def _target(self, kind: str) -> Any:
         """A free target for ``kind``, its lock taken (released by ``_apply``)."""
-        if kind in ("worker_stop", "child_kill", "worker_kill", "clock_skew", "kill_after_commit"):
+        if kind in WORKER_KINDS:
             candidates = [w for w in self.c.workers if w.alive()]
-            if kind in ("child_kill", "kill_after_commit"):
+            if kind in ("child_kill", "kill_after_commit", "publish_error"):
                 candidates = [w for w in candidates if w.pool == "prefork" and not w.stopped()]
             if kind == "clock_skew":
                 candidates = [w for w in candidates if not w.skew]

@@ -16,6 +16,9 @@ a bounded spell; the proof goes into ``faults.jsonl`` with the fault.
                         fault runs during either (the probe must be delivered)
 ``kill_after_commit``   a prefork child SIGKILLs itself between the accepted fenced
                         commit and the result-backend write (armed, one shot)
+``publish_error``       a worker's next deferral re-publish fails inside kombu (a
+                        header its encoder refuses: no connection or channel
+                        error; armed, one shot)
 
 Why READONLY by ``FAILOVER``: ``REPLICAOF`` alone makes the store drop its
 data and load the master's, leases and fencing counters gone (a failover with
@@ -40,7 +43,7 @@ from typing import Any
 
 import redis
 
-from tests.chaos.app import KILL_ARM
+from tests.chaos.app import KILL_ARM, PUBLISH_ARM
 from tests.chaos.cluster import DEFER_MAX, STORE_RETRY, ChaosWorker
 from tests.servers import LOOPBACK
 
@@ -53,6 +56,7 @@ SERVER_KINDS = (
     "store_long_outage",
     "results_long_outage",
     "kill_after_commit",
+    "publish_error",
 )
 #: PostgreSQL's reply to a write in a read-only transaction (SQLSTATE 25006)
 READ_ONLY_PROBE = "UPDATE celery_lease_fences SET fencing_token = fencing_token WHERE false"
@@ -389,6 +393,36 @@ class ServerFaults:
             raise RuntimeError(f"{rec['task_id']}: no accepted row behind kill_after_commit")
         return {"task_id": rec["task_id"], "pid": pid, "token": rec.get("token"),
                 "accepted_token": accepted, "child_dead": True}  # fmt: skip
+
+    def _f_publish_error(self, w: ChaosWorker) -> dict[str, Any]:
+        arm = Path(PUBLISH_ARM.format(history=self.c.history, hostname=w.hostname))
+        nonce = uuid.uuid4().hex
+        offset = len(w.log_text().encode())
+        arm.write_text(nonce)
+        deadline = time.monotonic() + KILL_WINDOW
+        while arm.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
+            arm.unlink()
+            raise RuntimeError(f"no re-publish on {w.name} within {KILL_WINDOW:.0f}s: disarmed")
+        except FileNotFoundError:
+            pass  # a re-publish took the shot
+        rec = None
+        deadline = time.monotonic() + 10.0
+        while rec is None and time.monotonic() < deadline:
+            rec = self._history_record("publish_error", nonce)
+            time.sleep(0.1)
+        if rec is None:
+            raise RuntimeError(f"armed {w.name}, the shot was taken, no history line")
+        # The proof: the worker logged the failed publish of that task id
+        # (requeued; or, on code that lets it escape, the task's error).
+        lines = (f"could not re-publish {rec['task_id']}", f"[{rec['task_id']}] raised unexpected")
+        deadline = time.monotonic() + 10.0
+        while not any(x in w.log_text(offset) for x in lines):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{rec['task_id']}: its failed re-publish was not logged")
+            time.sleep(0.1)
+        return {"task_id": rec["task_id"], "pid": rec["pid"], "publish_failed": True}
 
     def _history_record(self, event: str, nonce: str) -> dict[str, Any] | None:
         needle = nonce.encode()

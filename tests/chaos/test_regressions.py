@@ -555,6 +555,58 @@ def test_a_deferral_the_broker_cannot_take_is_requeued_not_failed(
         rabbit.cleanup()
 
 
+def test_a_deferral_whose_publish_fails_inside_kombu_is_requeued_not_failed(
+    tmp_path: Path, make_redis_server: Callable[..., RedisServer], pg_url: str
+) -> None:
+    """8. *A deferred task ended FAILURE AttributeError, then SUCCESS.* During a
+    broker reconnect the deferral's re-publish failed inside kombu (``'NoneType'
+    object has no attribute 'client'``), an error that is no connection or
+    channel error; only those gave the message back, so this one escaped,
+    Celery stored FAILURE, and a restored copy of the task later stored
+    SUCCESS (the 3,000 s chaos run). Any error of the re-publish now gives
+    the message back under ``acks_late``. The chaos app's hook makes the
+    re-publish fail in kombu's own encoder (a header it cannot encode)."""
+    cell = Cell(tmp_path, make_redis_server(), pg_url)
+    monitor = BackendMonitor(cell.env["CHAOS_BACKEND"], tmp_path / "states.jsonl")
+    monitor.start()
+    key = f"unencodable-{uuid.uuid4().hex[:6]}"
+    first, second = str(uuid.uuid4()), str(uuid.uuid4())
+    cell.env["CHAOS_UNENCODABLE_REPUBLISH"] = second
+    try:
+        a = cell.worker("a", "qa")
+        cell.worker("b", "qb")
+        cell.tasks.exclusive.apply_async((key, 3.0, 0), task_id=first, queue="qb")
+        wait_for(lambda: cell.records(_is("start", first)), 30, "the first body to start")
+        cell.tasks.exclusive.apply_async((key, 0.1, 1), task_id=second, queue="qa")
+        wait_for(
+            lambda: Path(f"{cell.history}.unencodable-{second}").exists(),
+            30,
+            "A to re-publish the second task with the unencodable header",
+        )
+        wait_for(
+            lambda: any(
+                line in a.log_text()
+                for line in (
+                    f"could not re-publish {second}",  # requeued
+                    f"chaos.exclusive[{second}] raised unexpected",  # the bug
+                )
+            ),
+            30,
+            "the re-publish to fail",
+        )
+        assert "TypeError" in a.log_text()  # kombu's encoder, not the transport
+        wait_for(
+            lambda: {"SUCCESS", "FAILURE"} & {b.state for b in monitor.states.get(second, [])},
+            60,
+            "the monitor to see the second task end",
+        )
+        states = [b.state for b in monitor.states.get(second, [])]
+        assert "FAILURE" not in states, states
+    finally:
+        monitor.stop()
+        cell.close()
+
+
 def test_an_amqp_broker_without_publisher_confirms_is_warned_about(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
