@@ -15,6 +15,7 @@ untouched; copy.* rows apply after a raised body and a refused commit alike)::
     claim.retry           store unavailable, lease_store_retry left -> RETRY
     claim.store_down      store unavailable past lease_store_retry -> DEFER uncounted, default
     claim.store_done      store unavailable, this task id accepted, backend SUCCESS -> REJECT_ENDED
+    claim.same_done       busy by this task id, accepted, backend SUCCESS -> REJECT_ENDED
     claim.same_id         busy by this task id -> DEFER uncounted, holder's remaining
     claim.reject          busy by another task id, reject -> REJECT conflict
     claim.wait            busy by another task id, wait, time left -> WAIT, claim again
@@ -53,8 +54,8 @@ untouched; copy.* rows apply after a raised body and a refused commit alike)::
     defer.limit           counted, lease_defer_max reached -> REJECT LeaseNotAcquired
     defer.counted         behind another task id's lease -> DEFER, deferrals + 1
     defer.uncounted       behind this task id, or an outage -> DEFER, deferrals unchanged
-    republish.queued      another copy of this task id is deferred -> DROP
-    republish.publish     no other copy queued (or the marker unreadable) -> PUBLISH, mark
+    republish.queued      the marker names a newer copy of this task id -> DROP
+    republish.publish     the marker names this copy, its parent, none or is unreadable -> PUBLISH
 
 "Uncounted" deferrals do not spend ``lease_defer_max``: it ends an endless
 conflict with *other* task ids; waiting behind a copy of this very task id, or
@@ -233,20 +234,14 @@ def decide_claim(c: Claim) -> Outcome | Read:
     if c.error is not None:
         if c.retry_left:
             return Outcome("claim.retry", Act.RETRY)
-        if c.commit and c.mine is UNREAD:
-            # A copy of finished work (a broker restore, a deferral) must not
-            # circulate through the outage: every copy would defer again, and
-            # broker reconnects multiply them. The result table can tell.
-            return Read.MINE
-        if c.mine is True and c.own_state is UNREAD:
-            return Read.OWN_STATE
-        if (
-            c.mine is True
-            and isinstance(c.own_state, BackendState)
-            and c.own_state.status == SUCCESS
-        ):
-            reason = "this task id's result is accepted and stored"
-            return Outcome("claim.store_done", Act.REJECT_ENDED, reason)
+        # A copy of finished work (a broker restore, a deferral) must not
+        # circulate through the outage: every copy would defer again, and
+        # broker reconnects multiply them. The result table can tell.
+        done = _done(c)
+        if isinstance(done, Read):
+            return done
+        if done:
+            return Outcome("claim.store_done", Act.REJECT_ENDED, DONE)
         reason = f"lease store unavailable: {c.error}"
         return Outcome("claim.store_down", Act.DEFER, reason, countdown=_default(c.ttl))
     if c.holder is UNREAD:
@@ -254,7 +249,14 @@ def decide_claim(c: Claim) -> Outcome | Read:
     remaining = c.holder.remaining if c.holder is not None else c.ttl
     if c.holder is not None and c.holder.task_id == c.task_id:
         # A redelivered copy of this very task met its live owner: defer, never
-        # drop (acking it would ack the owner's message too).
+        # drop (acking it would ack the owner's message too); unless the work
+        # is done and stored, when the owner's message needs no cover and a
+        # copy re-published would only circulate.
+        done = _done(c)
+        if isinstance(done, Read):
+            return done
+        if done:
+            return Outcome("claim.same_done", Act.REJECT_ENDED, DONE)
         reason = "a copy of this task id holds the lease"
         return Outcome("claim.same_id", Act.DEFER, reason, countdown=remaining)
     if c.on_conflict == "reject":
@@ -263,6 +265,19 @@ def decide_claim(c: Claim) -> Outcome | Read:
         return Outcome("claim.wait", Act.WAIT)
     reason = "another owner holds the lease"
     return Outcome("claim.defer", Act.DEFER, reason, counted=True, countdown=remaining)
+
+
+DONE = "this task id's result is accepted and stored"
+
+
+def _done(c: Claim) -> bool | Read:
+    """True if this task id's result is accepted and its SUCCESS stored."""
+    if c.commit and c.mine is UNREAD:
+        return Read.MINE
+    if c.mine is True and c.own_state is UNREAD:
+        return Read.OWN_STATE
+    state = c.own_state
+    return c.mine is True and isinstance(state, BackendState) and state.status == SUCCESS
 
 
 # -- before the body -----------------------------------------------------------------
@@ -559,14 +574,20 @@ def decide_defer(s: Defer) -> Outcome:
 
 @dataclass(frozen=True)
 class Republish:
-    defer_id: str
+    """A copy about to defer. Every published copy has its own defer id; the
+    store's marker names the newest one, so of two identical copies (a broker
+    restore) only the one whose successor took the marker goes on."""
+
+    defer_id: str | None  # this copy's (None: the task's first message)
+    parent: str | None = None  # the defer id of the copy this one replaced
     marker: str | Failed | Unread | None = UNREAD  # the defer id the marker names
 
 
 def decide_republish(s: Republish) -> Outcome | Read:
     if s.marker is UNREAD:
         return Read.MARKER
-    # A marker unreadable: a second copy beats losing the work.
-    if isinstance(s.marker, str) and s.marker != s.defer_id:
+    # A marker unreadable: a second copy beats losing the work. The parent's
+    # id: this copy was published but its marker never set (a crash between).
+    if isinstance(s.marker, str) and s.marker not in (s.defer_id, s.parent):
         return Outcome("republish.queued", Act.DROP, "a deferred copy is already queued")
     return Outcome("republish.publish", Act.PUBLISH)

@@ -1,12 +1,19 @@
 """Re-publishing a task id: a deferral or a re-queue, at most one copy outstanding.
 
-A copy carries the keys and tenant the execution resolved, the chain's
-``lease_defer_id`` and its counted deferrals; its ETA is taken from the
-runtime's clock (the store's), not this worker's. A store marker, set only
-*after* the copy is published, says "a copy of this chain is queued": set
-before, a worker dying in between left a marker with no copy behind it, and
-the redelivered message was then dropped as a duplicate of a copy that did
-not exist.
+A copy carries the keys and tenant the execution resolved, its own
+``lease_defer_id``, the id of the copy it replaced (``lease_defer_parent``)
+and its counted deferrals; its ETA is taken from the runtime's clock (the
+store's), not this worker's. A store marker per task id names the newest
+copy. It is moved only *after* the copy is published: moved before, a worker
+dying in between left a marker with no copy behind it, and the redelivered
+message was then dropped as a duplicate of a copy that did not exist.
+
+Why each copy has its own id: a broker restore makes two identical copies.
+Had they one id, both would find the marker naming them and both re-publish,
+for ever, and every restore would double the task's copies. With one id per
+copy, the marker moves from the twins' id to one successor's only (a
+compare-and-set, :meth:`LeaseStore.mark`'s ``replace``), and the other
+twin's successor is dropped at its next deferral.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from celery_lease.exceptions import StoreUnavailable
 from celery_lease.scope import (
     DEFER_MARKER,
     HEADER_DEFER_ID,
+    HEADER_DEFER_PARENT,
     HEADER_DEFERRALS,
     HEADER_DELAY,
     HEADER_KEYS,
@@ -46,18 +54,21 @@ def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> N
         # The Redis transport restores (and so multiplies) countdown messages
         # held past its visibility timeout.
         countdown = min(countdown, vt / 2)
-    defer_id = getattr(ex.req, HEADER_DEFER_ID, None) or uuid.uuid4().hex
-    outcome = ex.decide(decide.decide_republish, decide.Republish(defer_id))
+    own = getattr(ex.req, HEADER_DEFER_ID, None)
+    parent = getattr(ex.req, HEADER_DEFER_PARENT, None)
+    outcome = ex.decide(decide.decide_republish, decide.Republish(own, parent))
     if outcome.act is Act.DROP:
         # Another copy of this task id is deferred already: drop this one.
         ex.event(events.LEASE_REJECTED, reason=outcome.reason)
         raise Ignore()
+    defer_id = uuid.uuid4().hex
     headers = dict(getattr(ex.req, "headers", None) or {})
     headers.update(
         {
             HEADER_KEYS: ex.keys,
             HEADER_TENANT: ex.tenant,
             HEADER_DEFER_ID: defer_id,
+            HEADER_DEFER_PARENT: own,
             HEADER_DEFERRALS: deferrals,
         }
     )
@@ -90,9 +101,13 @@ def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> N
         )
         raise Reject(e, requeue=True) from e
     try:
-        # False: another chain marked meanwhile; two copies are harmless.
+        # False: a twin's successor took the marker first; this copy is then
+        # dropped at its next deferral (or runs, if the key is free by then).
         ex.rt.store.mark(
-            DEFER_MARKER + ex.task_id, defer_id, ttl=countdown + max(ex.opts.ttl, 10.0)
+            DEFER_MARKER + ex.task_id,
+            defer_id,
+            ttl=countdown + max(ex.opts.ttl, 10.0),
+            replace=tuple(i for i in (own, parent) if i),
         )
     except StoreUnavailable:
         pass

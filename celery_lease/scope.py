@@ -38,6 +38,7 @@ __all__ = [
     "DEFER_MARKER",
     "HEADER_DEFERRALS",
     "HEADER_DEFER_ID",
+    "HEADER_DEFER_PARENT",
     "HEADER_DELAY",
     "HEADER_KEYS",
     "HEADER_NOT_BEFORE",
@@ -51,8 +52,10 @@ HEADER_KEYS = "lease_keys"
 HEADER_TENANT = "lease_tenant"
 #: Counted deferrals of a task id so far (``lease_defer_max``).
 HEADER_DEFERRALS = "lease_deferrals"
-#: The id of a chain of re-published copies of one task id.
+#: The id of one re-published copy of a task id (each copy has its own).
 HEADER_DEFER_ID = "lease_defer_id"
+#: The defer id of the copy a re-published copy replaced.
+HEADER_DEFER_PARENT = "lease_defer_parent"
 #: Store time before which a deferred copy must not claim (its ETA, in the store's clock).
 HEADER_NOT_BEFORE = "lease_not_before"
 #: Seconds a copy published without an ETA (no clock answered) waits before claiming.

@@ -396,15 +396,26 @@ class LeaseStore(ABC):
 
     # -- internal markers ---------------------------------------------------
 
-    def mark(self, name: str, owner_id: str, *, ttl: float) -> bool:
+    def mark(self, name: str, owner_id: str, *, ttl: float, replace: Sequence[str] = ()) -> bool:
         """Set the internal marker ``name`` to ``owner_id`` for ``ttl`` seconds, unless
-        another owner's live marker is there (then False).
+        another owner's live marker is there (then False); a live marker of
+        an owner in ``replace`` is replaced, atomically with the check, so
+        that of two callers replacing the same marker one wins.
 
         Markers (deferral markers: ``celery-lease/...``, a namespace no user key
         reaches) are not leases: no token. A store that keeps them apart from
         leases gives them no fence either; this default keeps them as leases,
         whose records ``lease sweep`` removes (SQL).
         """
+        if self.claim(name, ttl=ttl, owner_id=owner_id) is not None:
+            return True
+        record = self.inspect(name) if replace else None
+        if record is None or not record.live or record.owner_id not in replace:
+            return False
+        # Evict exactly the grant read (its token): a second caller replacing
+        # the same owner finds it evicted already, or granted again, and loses.
+        if self.evict(name, token=record.token) is None:
+            return False
         return self.claim(name, ttl=ttl, owner_id=owner_id) is not None
 
     def marker(self, name: str) -> str | None:

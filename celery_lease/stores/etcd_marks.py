@@ -11,6 +11,7 @@ that is never deleted.)
 from __future__ import annotations
 
 import builtins
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.stores.etcd_wire import b64, cmp_op, ranges
@@ -37,10 +38,11 @@ class Markers:
     def mark_name(self, name: str) -> bytes:
         return b"/" + self.prefix.encode() + b"/mark/" + name.encode()
 
-    def mark(self, name: str, owner_id: str, *, ttl: float) -> bool:
-        """Set the marker unless another owner's is there; this owner's own is
-        moved to a fresh etcd lease of ``ttl`` (extended). Two round trips: the
-        grant, then one transaction (two when extending)."""
+    def mark(self, name: str, owner_id: str, *, ttl: float, replace: Sequence[str] = ()) -> bool:
+        """Set the marker unless another owner's is there; this owner's own (or
+        one of ``replace``'s) is moved to a fresh etcd lease of ``ttl``, compared
+        by its revision. Two round trips: the grant, then one transaction (two
+        when extending or replacing)."""
         key = self.mark_name(name)
         lease_id, _ = self._grant(ttl)
         put = {"request_put": {"key": b64(key), "value": b64(owner_id), "lease": str(lease_id)}}
@@ -53,8 +55,8 @@ class Markers:
                 done = True
                 return True
             kv = ranges(reply)[0]
-            if kv is None or kv.value != owner_id.encode():
-                return False  # another chain's marker (or it expired just now: the next try wins)
+            if kv is None or kv.value.decode(errors="replace") not in (owner_id, *replace):
+                return False  # another copy's marker (or it expired just now: the next try wins)
             reply = self._txn([cmp_op(key, "MOD", kv.mod_revision)], [put], [])
             done = bool(reply.get("succeeded"))
             if done and kv.lease:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -120,15 +120,26 @@ class RedisLeaseStore(LeaseStore):
     def fence_name(self, key: str) -> str:
         return f"{self.prefix}:fence:{{{_tag(key)}}}"
 
-    def mark(self, name: str, owner_id: str, *, ttl: float) -> bool:
+    def mark(self, name: str, owner_id: str, *, ttl: float, replace: Sequence[str] = ()) -> bool:
         marker = f"{self.prefix}:mark:{name}"
         ms = _ms(ttl)
         with self.errors():
             if self.client.set(marker, owner_id, px=ms, nx=True):
                 return True
-            if _str(self.client.get(marker) or "") == owner_id:  # this chain's own: extend
-                return bool(self.client.set(marker, owner_id, px=ms, xx=True))
-        return False
+            # Compare-and-set by WATCH: the SET is discarded if the marker
+            # changed after the GET (another caller replaced it first).
+            with self.client.pipeline() as pipe:
+                try:
+                    pipe.watch(marker)
+                    current = pipe.get(marker)
+                    if current is not None and _str(current) not in (owner_id, *replace):
+                        return False
+                    pipe.multi()
+                    pipe.set(marker, owner_id, px=ms)
+                    pipe.execute()
+                except redis.WatchError:
+                    return False
+        return True
 
     def marker(self, name: str) -> str | None:
         with self.errors():

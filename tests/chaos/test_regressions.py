@@ -32,6 +32,7 @@ decides which worker receives which message.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shlex
 import signal
@@ -605,6 +606,60 @@ def test_a_deferral_whose_publish_fails_inside_kombu_is_requeued_not_failed(
     finally:
         monitor.stop()
         cell.close()
+
+
+def test_twin_copies_of_a_deferred_task_made_by_a_restore_do_not_both_go_on(
+    cell: Cell,
+) -> None:
+    """9. *Copies of a task id multiplied: 19,743 deliveries for 1,252 tasks.*
+    The Redis transport restores a deferred copy held past its visibility
+    timeout while the worker holding it still has it: two identical copies.
+    Both found the deferral marker naming their (shared) defer id, both
+    re-published, and every later restore doubled them again, until the
+    task ran. Each copy now has its own defer id and the marker moves to one
+    twin's successor only (compare-and-set); the other is dropped at its next
+    deferral. The twins are made as the chaos run made them: A is stopped,
+    holding the deferred copy, past the visibility timeout, and B's restore
+    sweep puts the copy back."""
+    cell.restart_env(vt=3.0)
+    a = cell.worker("a", "qa")
+    cell.worker("b", "qb")  # holds the key, and runs the restore sweep
+    key = f"twins-{uuid.uuid4().hex[:6]}"
+    first, second = str(uuid.uuid4()), str(uuid.uuid4())
+    cell.tasks.exclusive.apply_async((key, 16.0, 0), task_id=first, queue="qb")
+    wait_for(lambda: cell.records(_is("start", first)), 30, "the first body to start")
+    cell.tasks.exclusive.apply_async((key, 0.1, 1), task_id=second, queue="qa")
+    wait_for(lambda: f"LEASE_DEFERRED {second}" in a.log_text(), 30, "A to defer the second task")
+    a.stop_group()  # holding the deferred copy, unacked
+    try:
+        wait_for(lambda: _restored(cell, second), 30, "the broker to restore the deferred copy")
+    finally:
+        a.cont_group()
+
+    def twins() -> list[str]:
+        ids = [r["defer_id"] for r in cell.records(_is("prerun", second)) if r["defer_id"]]
+        return sorted({i for i in ids if ids.count(i) > 1})
+
+    twin = wait_for(lambda: twins(), 30, "both copies of one defer id to be delivered")[0]
+    drop = f"LEASE_REJECTED {second}"
+    wait_for(
+        lambda: drop in a.log_text() or cell.records(_is("end", first)),
+        30,
+        "one twin's line to be dropped",
+    )
+    assert drop in a.log_text(), "both twins' copies went on deferring until the key was free"
+    assert "a deferred copy is already queued" in a.log_text()
+    wait_for(lambda: cell.state(second)["status"] == "SUCCESS", 60, "the second task")
+    assert len(cell.records(_is("start", second))) == 1
+    # The twins' two successors arrive together one deferral (<= 1.5 s: half
+    # the visibility timeout) later, and one is dropped; from then on, one
+    # line: no two deliveries of the task id at once.
+    deliveries = [r["mono"] for r in cell.records(_is("prerun", second))]
+    twins_at = max(r["mono"] for r in cell.records(_is("prerun", second)) if r["defer_id"] == twin)
+    later = [t for t in deliveries if t > twins_at + 2.5]
+    close = [round(b - a_, 3) for a_, b in itertools.pairwise(later) if b - a_ < 0.5]
+    assert len(later) >= 2, f"too few deliveries after the twins to judge: {deliveries}"
+    assert not close, f"copies delivered together after the drop: {later}"
 
 
 def test_an_amqp_broker_without_publisher_confirms_is_warned_about(

@@ -129,3 +129,44 @@ def test_markers_keep_another_owners_extend_their_own_and_expire(store: LeaseSto
     wait_for(lambda: store.marker(name) is None, 30, "the marker to expire")
     assert store.mark(name, B, ttl=30.0)
     assert store.marker(name) == B
+
+
+def test_a_marker_is_replaced_only_from_an_owner_named_and_by_one_of_many(
+    store: LeaseStore,
+) -> None:
+    """The compare-and-set that keeps twin deferred copies (a broker restore)
+    from both carrying a task on: of callers replacing the same marker at
+    once, exactly one wins; a marker of an owner not named is kept."""
+    import threading
+
+    from celery_lease.task import DEFER_MARKER
+
+    name = f"{DEFER_MARKER}{new_key('marker')}"
+    assert store.mark(name, "copy-1", ttl=30.0)
+    assert not store.mark(name, "copy-2", ttl=30.0, replace=("someone-else",))
+    assert store.marker(name) == "copy-1"
+    assert store.mark(name, "copy-2", ttl=30.0, replace=("copy-1", "copy-0"))
+    assert store.marker(name) == "copy-2"
+    assert store.mark(name, "copy-2", ttl=30.0, replace=("copy-1",)), "its own: extended"
+
+    for round_ in range(5):
+        current = store.marker(name)
+        assert current is not None
+        barrier = threading.Barrier(4)
+        won: list[str] = []
+
+        def replace_it(me: str, current: str, barrier: threading.Barrier, won: list[str]) -> None:
+            barrier.wait()
+            if store.mark(name, me, ttl=30.0, replace=(current,)):
+                won.append(me)
+
+        threads = [
+            threading.Thread(target=replace_it, args=(f"twin-{round_}-{i}", current, barrier, won))
+            for i in range(4)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(won) == 1, f"round {round_}: {won} all replaced {current}"
+        assert store.marker(name) == won[0]
