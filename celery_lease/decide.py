@@ -42,12 +42,13 @@ untouched; copy.* rows apply after a raised body and a refused commit alike)::
     copy.committed        lease lost, this task id committed elsewhere -> LEAVE_TO_COPY
     copy.unstored         lease lost, committed elsewhere, no SUCCESS -> DEFER uncounted, default
     copy.holds            lease lost, a copy of this task id holds the key -> DEFER uncounted
+    copy.unreadable       lease lost, its row or the holder unreadable -> DEFER uncounted, default
     commit.accepted       commit accepted -> RUN (return the value)
     commit.fenced         commit refused, a newer token -> NOT_DONE FENCED
     commit.duplicate      commit refused, once mode, the key's result accepted -> DUPLICATE
     commit.retry          store unavailable at commit, lease time left -> RETRY
     commit.unknown        store unavailable at commit, lease ran out -> REQUEUE
-    not_done.newer        not done, a newer token's result accepted -> STORE_FAILURE
+    not_done.newer        not done, another task id's newer result accepted -> STORE_FAILURE
     not_done.taken_over   not done, a live holder that has not ended -> STORE_FAILURE
     not_done.holder_ended not done, the live holder a late copy of an ended task -> REQUEUE
     not_done.nobody       not done, nobody newer did or does the work -> REQUEUE
@@ -222,7 +223,7 @@ class Claim:
     error: str | None = None  # the claim raised StoreUnavailable
     retry_left: bool = False  # lease_store_retry not spent
     wait_left: bool = False  # lease_wait_timeout not spent
-    holder: Holder | Unread | None = UNREAD
+    holder: Holder | Failed | Unread | None = UNREAD  # Failed: as None, a busy key
     commit: bool = False  # the task records its result in the fenced table
     mine: bool | Unread | None = UNREAD  # this task id committed (None: unreadable)
     own_state: BackendState | Unread | None = UNREAD  # None: unreadable
@@ -246,8 +247,9 @@ def decide_claim(c: Claim) -> Outcome | Read:
         return Outcome("claim.store_down", Act.DEFER, reason, countdown=_default(c.ttl))
     if c.holder is UNREAD:
         return Read.HOLDER
-    remaining = c.holder.remaining if c.holder is not None else c.ttl
-    if c.holder is not None and c.holder.task_id == c.task_id:
+    holder = c.holder if isinstance(c.holder, Holder) else None
+    remaining = holder.remaining if holder is not None else c.ttl
+    if holder is not None and holder.task_id == c.task_id:
         # A redelivered copy of this very task met its live owner: defer, never
         # drop (acking it would ack the owner's message too); unless the work
         # is done and stored, when the owner's message needs no cover and a
@@ -403,13 +405,15 @@ def _leave_to_copy(
     backend: bool,
     mine: bool | Unread | None,
     own_state: BackendState | Unread | None,
-    holder: Holder | None,
+    holder: Holder | Failed | None,
 ) -> Outcome | Read | None:
     """Whether another execution of this task id owns the outcome (None: no).
 
     A copy that lost its lease must never write the backend state of a task id
     another copy finished (a stalled copy resuming with an error or a Retry
-    after copy 2 stored SUCCESS), nor of one another copy is running.
+    after copy 2 stored SUCCESS), nor of one another copy is running. A fact
+    that cannot be read (``mine`` None, the holder Failed) may be exactly that:
+    not a "no".
     """
     if mine is UNREAD:
         return Read.MINE
@@ -423,13 +427,16 @@ def _leave_to_copy(
                 why = "store the accepted result"
                 return Outcome("copy.unstored", Act.DEFER, why, countdown=_default(ttl), note=note)
         return Outcome("copy.committed", Act.LEAVE_TO_COPY, note=note)
-    if holder is not None and holder.live and holder.task_id == task_id:
+    if isinstance(holder, Holder) and holder.live and holder.task_id == task_id:
         # Maybe a restored copy of this very message, sharing its delivery tag,
         # whose unacked entry this execution's ack would remove: leave a
         # deferred copy behind as its crash cover.
         note = "another execution of this task id holds it"
         why = "a copy of this task id holds the lease"
         return Outcome("copy.holds", Act.DEFER, why, countdown=holder.remaining, note=note)
+    if mine is None or isinstance(holder, Failed):
+        why = "cannot tell whether a copy of this task id committed or holds the lease"
+        return Outcome("copy.unreadable", Act.DEFER, why, countdown=_default(ttl))
     return None
 
 
@@ -442,7 +449,7 @@ class BodyError:
     backend: bool  # results are stored (not ignore_result, a backend enabled)
     held: bool  # still the owner
     token: int
-    holder: Holder | Unread | None = UNREAD
+    holder: Holder | Failed | Unread | None = UNREAD
     mine: bool | Unread | None = UNREAD  # None: cannot tell
     own_state: BackendState | Unread | None = UNREAD
 
@@ -453,7 +460,7 @@ def decide_body_error(s: BodyError) -> Outcome | Read:
     if s.holder is UNREAD:
         return Read.HOLDER
     # This execution's own lease, not yet expired in the store, is no copy.
-    holder = None if s.holder is not None and s.holder.token == s.token else s.holder
+    holder = None if isinstance(s.holder, Holder) and s.holder.token == s.token else s.holder
     leave = _leave_to_copy(s.task_id, s.ttl, s.backend, s.mine, s.own_state, holder)
     if leave is not None:
         return leave
@@ -497,9 +504,9 @@ class NotDone:
     ttl: float
     backend: bool  # results are stored (not ignore_result, a backend enabled)
     token: int | None
-    newer: Newer | Unread | None = UNREAD
-    holder: Holder | Unread | None = UNREAD
-    mine: bool | Unread | None = UNREAD
+    newer: Newer | Failed | Unread | None = UNREAD  # Failed: unreadable
+    holder: Holder | Failed | Unread | None = UNREAD
+    mine: bool | Unread | None = UNREAD  # None: unreadable
     own_state: BackendState | Unread | None = UNREAD
     holder_committed: bool | Unread | None = UNREAD
     holder_state: BackendState | Unread | None = UNREAD
@@ -508,13 +515,16 @@ class NotDone:
 def decide_not_done(s: NotDone) -> Outcome | Read:
     if s.newer is UNREAD or s.holder is UNREAD:
         return Read.NEWER_AND_HOLDER
-    leave = _leave_to_copy(s.task_id, s.ttl, s.backend, s.mine, s.own_state, s.holder)
+    newer = s.newer if isinstance(s.newer, Newer) else None
+    # The key's newest row of this very task id: it committed, no read needed.
+    mine = True if newer is not None and newer.task_id == s.task_id else s.mine
+    leave = _leave_to_copy(s.task_id, s.ttl, s.backend, mine, s.own_state, s.holder)
     if leave is not None:
         return leave
-    if s.newer is not None and s.token is not None and s.newer.token > s.token:
+    if newer is not None and s.token is not None and newer.token > s.token:
         return Outcome("not_done.newer", Act.STORE_FAILURE)
-    if s.holder is not None and s.holder.live:
-        ended = _finished_elsewhere(s, s.holder, s.newer)
+    if isinstance(s.holder, Holder) and s.holder.live:
+        ended = _finished_elsewhere(s, s.holder, newer)
         if isinstance(ended, Read):
             return ended
         if not ended:

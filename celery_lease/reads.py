@@ -36,8 +36,8 @@ class Reads:
         if what is Read.HOLDER:
             try:
                 return {"holder": _holder(self.ex.rt.store.inspect(self.ex.key))}
-            except StoreUnavailable:
-                return {"holder": None}
+            except StoreUnavailable as e:
+                return {"holder": Failed(str(e))}
         if what is Read.LATE_COPY:
             return {"late_copy": self._may_be_a_late_copy()}
         if what is Read.OWN_STATE:
@@ -69,17 +69,18 @@ class Reads:
         return self._read_newer_and_holder()
 
     def _read_newer_and_holder(self) -> dict[str, Any]:
-        newer: AcceptedResult | None = None
-        holder: LeaseRecord | None = None
+        """Each read on its own: one that fails is Failed, never "none"."""
+        newer: Newer | Failed | None = None
         try:
-            newer = self.ex.rt.results.accepted(self.ex.key, self.ex.tenant)
-            holder = self.ex.rt.store.inspect(self.ex.key)
-        except StoreUnavailable:
-            pass
-        return {
-            "newer": None if newer is None else Newer(newer.token, newer.task_id),
-            "holder": _holder(holder),
-        }
+            accepted = self.ex.rt.results.accepted(self.ex.key, self.ex.tenant)
+            newer = None if accepted is None else Newer(accepted.token, accepted.task_id)
+        except StoreUnavailable as e:
+            newer = Failed(str(e))
+        try:
+            holder: Holder | Failed | None = _holder(self.ex.rt.store.inspect(self.ex.key))
+        except StoreUnavailable as e:
+            holder = Failed(str(e))
+        return {"newer": newer, "holder": holder}
 
     def _backend_state(self, task_id: str) -> BackendState | None:
         meta = self._backend_meta(task_id)

@@ -32,9 +32,9 @@ inline grant(w, k, T, r) {
 
 /* A record leaves LIVE: its owner and task id mean nothing any more (a
  * claim reads the owner of a LIVE record only, inspect the task id of a
- * LIVE one); a GONE record's token neither (every store's release and
- * renewal need the record). Cleared, so that states differ only by what
- * the protocol can still read. */
+ * LIVE one, on etcd of a LAG one too); a GONE record's token neither
+ * (every store's release and renewal need the record). Cleared, so that
+ * states differ only by what the protocol can still read. */
 inline unlive(k, st) {
   rec_st[k] = st;
   rec_task[k] = 0;

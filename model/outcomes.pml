@@ -103,38 +103,40 @@ not_done:
     CM_LEAVE
     cm_copies[T] == 0 -> nd_copies[T]++; nd_in = 1;
 #endif
-    /* @code celery_lease/reads.py:Reads._read_newer_and_holder "newer = self.ex.rt.results.accepted(self.ex.key, self.ex.tenant)" */
+    /* @code celery_lease/reads.py:Reads._read_newer_and_holder "accepted = self.ex.rt.results.accepted(self.ex.key, self.ex.tenant)" */
     if
     :: nw = acc_new[k]; nwt = acc_new_task[k]
-#ifndef SPARE_NOT_DONE_READS
-    :: LOSSY; nw = 0; nwt = 0; hl = 0; ht = 0; goto nd_mine
-#endif
+    :: LOSSY; nw = 0; nwt = 0 /* Failed: no newer row to go by */
     fi
   };
   atomic {
-    /* @code celery_lease/reads.py:Reads._read_newer_and_holder "holder = self.ex.rt.store.inspect(self.ex.key)" */
+    /* @code celery_lease/reads.py:Reads._read_newer_and_holder "holder: Holder | Failed | None = _holder(self.ex.rt.store.inspect(self.ex.key))" */
     if
     :: st_inspect(k, hl, ht)
-#ifndef SPARE_NOT_DONE_READS
-    :: LOSSY; hl = 0; ht = 0
-#endif
+    :: LOSSY; hl = 0; ht = H_FAILED
     fi;
     if
-    :: ht != 0 -> printf("@ w%d not done: newest accepted token %d; holder: T%d, live %d\n", w, nw, ht - 1, hl)
-    :: else -> printf("@ w%d not done: newest accepted token %d; no holder (or unreadable)\n", w, nw)
+    :: ht == H_FAILED -> printf("@ w%d not done: newest accepted token %d; the holder unreadable\n", w, nw)
+    :: ht != 0 && ht != H_FAILED -> printf("@ w%d not done: newest accepted token %d; holder: T%d, live %d\n", w, nw, ht - 1, hl)
+    :: else -> printf("@ w%d not done: newest accepted token %d; no holder\n", w, nw)
     fi
   };
-nd_mine:
+#ifndef MUT_E
+  /* @code celery_lease/decide.py:decide_not_done "mine = True if newer is not None and newer.task_id == s.task_id else s.mine" */
+  if
+  :: nwt == T + 1 -> mine = YES; goto nd_decide
+  :: else -> skip
+  fi;
+#endif
   atomic {
     /* @code celery_lease/reads.py:Reads.read "return {\"mine\": results.for_task(self.ex.task_id) is not None}" */
     if
     :: mine = (task_acc[T] != 0 -> YES : NO)
-#ifndef SPARE_NOT_DONE_READS
     :: LOSSY; mine = UNKNOWN
-#endif
     fi;
     printf("@ w%d not done: did T%d commit elsewhere? %d (0 no, 1 yes, 2 unreadable)\n", w, T, mine)
   };
+nd_decide:
   /* @code celery_lease/decide.py:_leave_to_copy "if mine:" */
   if
   :: mine == YES ->
@@ -150,7 +152,14 @@ nd_mine:
   :: hl && ht == T + 1 -> goto defer_out /* copy.holds: DEFER */
   :: else -> skip
   fi;
-  /* @code celery_lease/decide.py:decide_not_done "if s.newer is not None and s.token is not None and s.newer.token > s.token:" */
+#ifndef MUT_E
+  /* @code celery_lease/decide.py:_leave_to_copy "if mine is None or isinstance(holder, Failed):" */
+  if
+  :: mine == UNKNOWN || ht == H_FAILED -> goto defer_out /* copy.unreadable: DEFER */
+  :: else -> skip
+  fi;
+#endif
+  /* @code celery_lease/decide.py:decide_not_done "if newer is not None and s.token is not None and newer.token > s.token:" */
   if
   :: nw > tok -> goto fail_ack /* not_done.newer: STORE_FAILURE */
   :: else -> skip

@@ -44,6 +44,8 @@ bit once;
 #define NO 0
 #define YES 1
 #define UNKNOWN 2
+/* The holder (ht) unreadable: store.inspect failed (decide.Failed). */
+#define H_FAILED 255
 
 /* Lease store, per key. rec_tok survives GONE: it is the key's fence
  * counter (Redis), fence key revision (etcd) or lease row token (SQL). */

@@ -64,12 +64,19 @@ inline st_renew(k, t, r) {
   fi
 }
 
-/* inspect: a key whose etcd lease ran out has no owner */
+/* inspect: a key whose etcd lease ran out is still its owner's until the
+ * leader revokes it (its release and commit still succeed meanwhile) */
 inline st_inspect(k, hl, ht) {
   touch(k);
-  /* @code celery_lease/stores/etcd.py:EtcdLeaseStore._record "owner_id=kv.owner if left >= 0 else None," */
+#ifdef MUT_F
+  /* the code before the fix: a run-out lease reported ownerless */
   hl = (rec_st[k] == LIVE);
+  ht = (rec_st[k] == LIVE -> rec_task[k] : 0)
+#else
+  /* @code celery_lease/stores/etcd.py:EtcdLeaseStore._record "owner_id=kv.owner if granted > 0 else None," */
+  hl = (rec_st[k] == LIVE || rec_st[k] == LAG);
   ht = rec_task[k]
+#endif
 }
 
 /* The etcd lease runs out (the holder's local view ran out before: it is
@@ -77,16 +84,9 @@ inline st_inspect(k, hl, ht) {
 #define ST_EXPIRABLE(k) (EXPIRES(k) || rec_st[k] == LAG)
 inline st_expire(k) {
   if
-  :: rec_st[k] == LIVE -> pause_if_held(k); lapse(k, rec_tok[k]); rec_st[k] = LAG; rec_task[k] = 0;
-     printf("@ token %d's etcd lease runs out\n", rec_tok[k]);
-#ifdef SPARE_ETCD_LAG
-     /* the bound: the leader revokes it at once (no expiry_lag) */
-     on_expire(k, rec_tok[k]);
-     printf("@ the etcd leader revokes token %d's lease\n", rec_tok[k]);
-     unlive(k, GONE)
-#else
-     skip
-#endif
+  :: rec_st[k] == LIVE -> pause_if_held(k); lapse(k, rec_tok[k]); rec_st[k] = LAG;
+     /* rec_task stays: inspect reports the holder until the revocation */
+     printf("@ token %d's etcd lease runs out\n", rec_tok[k])
   :: else ->
      /* @code celery_lease/stores/etcd.py:EtcdLeaseStore.expiry_lag "expiry_lag = 1.5" */
      on_expire(k, rec_tok[k]);

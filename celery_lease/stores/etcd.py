@@ -69,7 +69,9 @@ etcd has no readable clock (its response header carries revisions and the
 Raft term, no time), so ``store.time()`` is *this machine's* clock:
 ``Lease.expires_at`` is the local time before the grant plus the TTL, a lower
 bound of the leader's expiry; callers that schedule by ``store.time()``
-(deferral ETAs) inherit this machine's clock. ``inspect()`` derives expiry from
+(deferral ETAs) inherit this machine's clock. A key whose lease ran out but is
+not revoked yet is reported held by its owner (``inspect``, ``list``): its
+release and fenced commit can still succeed, so it is no free key. ``inspect()`` derives expiry from
 the lease's remaining TTL, which etcd reports in whole seconds (rounded down):
 its ``expires_at`` is an upper estimate within :attr:`expiry_resolution` of the
 truth, and ``renewed_at`` is derived from it.
@@ -304,15 +306,20 @@ class EtcdLeaseStore(Markers, RenewAndRelease, LeaseStore):
         # The fence key's mod_revision is the token of the grant (a TTL change
         # re-puts the lease key, so its own mod_revision may be newer).
         token = fence.mod_revision if fence is not None else kv.mod_revision
-        if left < 0 or granted <= 0:  # the lease is gone: the key is being deleted
+        if granted <= 0:  # the lease is gone (revoked since the key was read)
             expires, renewed, ttl = now, None, None
+        elif left < 0:
+            # Ran out, not revoked yet: the key still blocks claims and its
+            # owner's release and fenced commit still succeed, so it is held
+            # until the leader revokes it (at most about expiry_lag from now).
+            expires, renewed, ttl = now + self.expiry_lag, None, float(granted)
         else:
             expires = now + min(left + 1, granted)
             renewed, ttl = expires - granted, float(granted)
         acquired = fields.get("acquired")
         return LeaseRecord(
             key=key,
-            owner_id=kv.owner if left >= 0 else None,
+            owner_id=kv.owner if granted > 0 else None,
             token=token,
             expires_at=expires,
             acquired_at=float(acquired) if isinstance(acquired, (int, float)) else None,

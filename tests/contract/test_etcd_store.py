@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import shutil
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -445,3 +447,49 @@ def test_a_deferral_marker_expires_and_leaves_no_key_and_no_fence(
     names = [base64.b64decode(kv["key"]).decode() for kv in left]
     assert not [n for n in names if name in n], names
     assert store.mark(name, B, ttl=2.0), "an expired marker is free for the next chain"
+
+
+def test_a_lease_that_ran_out_is_held_until_etcd_revokes_it(
+    make_etcd_cluster: Callable[..., EtcdCluster],  # noqa: F811
+) -> None:
+    """The model's finding 3 (docs/model.md, ``SPARE_ETCD_LAG``): in the lag
+    between an etcd lease running out and the leader revoking it, the key
+    still exists, so its owner's release (the fenced commit's ownership
+    check) still succeeds; ``inspect`` must then report that owner, live,
+    not a free key (a refused copy of the task id decided from it that
+    nobody held the key and stored FAILURE while its twin could still
+    commit). The lag is made long the way load makes it: the leader revokes
+    at most 1,000 expired leases a second, and thousands of keyless etcd
+    leases run out just before this one."""
+    cluster = make_etcd_cluster(1)
+    store = LeaseStore.from_url(cluster.url)
+    assert isinstance(store, EtcdLeaseStore)
+    key = new_key("lag")
+    fillers, ttl_end = 4000, time.time() + 8  # every filler runs out in the same second
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: cluster.call(
+            "lease/grant", {"TTL": str(max(1, math.ceil(ttl_end - time.time())))}
+        ), range(fillers)))  # fmt: skip
+    # ... and this lease a second later: behind them in the revocation queue
+    lease = store.claim(key, owner_id=A, ttl=math.ceil(ttl_end - time.time()) + 1,
+                        meta={"task_id": "t-0"})  # fmt: skip
+    assert lease is not None
+    etcd_id = raw_get(cluster, f"/celery-lease/lease/{key}")["lease"]  # type: ignore[index]
+    seen_lag = 0
+    while True:
+        record = store.inspect(key)
+        left, granted = lease_ttl(cluster, etcd_id)
+        if record is None or not record.live:
+            break
+        seen_lag += left < 0 and granted > 0  # run out, not revoked: the lag
+        assert record.owner_id == A and record.task_id == "t-0", record
+        assert time.time() < lease.expires_at + 30, "never revoked"
+        time.sleep(0.05)
+    released = store.release(lease)
+    print(f"inspect said live through {seen_lag} reads in the lag; then {record}; "
+          f"the owner's release after it: {released}")  # fmt: skip
+    assert not released, (
+        f"inspect reported {key!r} free ({record}) while its owner's release still succeeded"
+    )
+    assert seen_lag, "the lag never lasted a second: the fault did not happen"
+    store.close()

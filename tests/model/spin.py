@@ -27,10 +27,12 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "model"
 CONFIGS = ("redis", "etcd", "colocated")
 
-#: The known defects of the protocol the model found (docs/model.md,
-#: "What the model found"), each excluded from the default check by a bound
-#: of its own; tests/model/test_model.py shows each counterexample without it.
-SPARES = ("SPARE_NOT_DONE_READS", "SPARE_NOT_DONE_RACE", "SPARE_ETCD_LAG", "SPARE_LATE_ORIGINAL")
+#: The known defects of the protocol the model found that are not fixed yet
+#: (docs/model.md, "What the model found"), each excluded from the default
+#: check by a bound of its own; tests/model/test_model.py shows each
+#: counterexample without it. (Fixed: SPARE_NOT_DONE_READS, SPARE_ETCD_LAG;
+#: their old code is mutation e and f.)
+SPARES = ("SPARE_NOT_DONE_RACE", "SPARE_LATE_ORIGINAL")
 
 #: pan refuses to grow past this (MB) instead of taking the machine's memory
 #: (the checks share it with timing-sensitive runs).
