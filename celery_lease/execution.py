@@ -41,7 +41,6 @@ from celery_lease.exceptions import (
     StaleFencingToken,
     StoreUnavailable,
 )
-from celery_lease.keys import scoped
 from celery_lease.reads import Reads
 from celery_lease.renewal import HeldLease, renewer
 from celery_lease.requeue import republish
@@ -53,7 +52,7 @@ from celery_lease.scope import (
     HEADER_KEYS,
     HEADER_TENANT,
     authorize,
-    resolve,
+    resolve_scoped,
 )
 
 if TYPE_CHECKING:
@@ -82,7 +81,7 @@ class Execution:
         self.hostname: str | None = self.req.hostname
         # Templates first, headers checked against them (celery_lease.scope):
         # a publisher's headers never override the task's own definition.
-        self.keys, self.tenant = resolve(
+        self.keys, self.tenant, self.scoped = resolve_scoped(
             task,
             args,
             kwargs,
@@ -90,7 +89,6 @@ class Execution:
             getattr(self.req, HEADER_TENANT, None),
             self.cfg.limits,
         )
-        self.scoped = [scoped(k, self.tenant) for k in self.keys]
         self.key = self.scoped[0]
         self.meta = {
             "task_id": self.task_id,
