@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from celery.backends.base import DisabledBackend
@@ -100,7 +101,10 @@ class Execution:
         #: Leases and results in one database: the claim brings the look-up
         #: :meth:`prepare` needs (ResultTable.claim_prepared, one round trip).
         self.prepared: Prepared | None = None
-        self.reads = Reads(self)
+
+    @cached_property  # most executions decide without a read
+    def reads(self) -> Reads:
+        return Reads(self)
 
     # -- the whole path ----------------------------------------------------------
 
