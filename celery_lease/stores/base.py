@@ -282,6 +282,8 @@ class LeaseStore(ABC):
 
         Returns the :class:`Lease`, or None while another live owner holds a key.
         """
+        if type(key) is list and len(key) == 1 and type(key[0]) is str:
+            key = key[0]  # a task's one scoped key: claimed as that key
         if type(key) is str and key:  # the common case, one key: what normalize_keys does
             primary = shorten(key)
             keys: tuple[str, ...] = (primary,)
