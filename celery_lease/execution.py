@@ -66,6 +66,16 @@ logger = logging.getLogger(__name__)
 _F = TypeVar("_F")
 
 
+def _with(facts: _F, changes: dict[str, Any]) -> _F:
+    """``dataclasses.replace(facts, **changes)`` for decide's facts classes
+    (frozen dataclasses whose every field is an ``__init__`` argument) without
+    replace()'s loop over the fields in Python: most executions ask for a read."""
+    fields = getattr(facts, "__dict__", None)
+    if fields is None:  # a class with __slots__
+        return replace(facts, **changes)  # type: ignore[type-var]
+    return type(facts)(**{**fields, **changes})
+
+
 class Execution:
     """One execution of a leased task in the worker (or in ``apply()``)."""
 
@@ -192,7 +202,7 @@ class Execution:
             answer = fn(facts)
             if isinstance(answer, Outcome):
                 return answer
-            facts = replace(facts, **self.reads.read(answer, facts))  # type: ignore[type-var]
+            facts = _with(facts, self.reads.read(answer, facts))
 
     # -- claiming ------------------------------------------------------------------
 
