@@ -31,8 +31,9 @@ logger = logging.getLogger(__name__)
 
 def claim(ex: Execution) -> HeldLease:
     _wait_until_not_before(ex)
-    deadline = time.monotonic() + ex.cfg.store_retry
-    waited_until = time.monotonic() + ex.cfg.wait_timeout
+    start = time.monotonic()
+    deadline = start + ex.cfg.store_retry
+    waited_until = start + ex.cfg.wait_timeout
     delay = 0.05
     owner_id = _new_owner_id()
     while True:
@@ -43,14 +44,15 @@ def claim(ex: Execution) -> HeldLease:
             lease = _claim_once(ex, owner_id)
         except StoreUnavailable as e:
             error = str(e)
+        now = time.monotonic()
         facts = decide.Claim(
             ex.task_id,
             ex.opts.ttl,
             ex.opts.on_conflict,
             granted=lease is not None,
             error=error,
-            retry_left=time.monotonic() < deadline,
-            wait_left=time.monotonic() < waited_until,
+            retry_left=now < deadline,
+            wait_left=now < waited_until,
             commit=ex.opts.commit,
         )
         if error is None:

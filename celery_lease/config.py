@@ -16,6 +16,7 @@ import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.appstate import app_state
@@ -404,7 +405,7 @@ class Config:
     max_key_length: int = 16384
     metrics_addr: str = "127.0.0.1"
 
-    @property
+    @cached_property  # read on every execution; a frozen Config's limits never change
     def limits(self) -> KeyLimits:
         return KeyLimits(self.max_keys, self.max_key_length)
 

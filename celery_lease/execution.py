@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from celery.backends.base import DisabledBackend
@@ -41,7 +42,6 @@ from celery_lease.exceptions import (
     StaleFencingToken,
     StoreUnavailable,
 )
-from celery_lease.keys import scoped
 from celery_lease.reads import Reads
 from celery_lease.renewal import HeldLease, renewer
 from celery_lease.requeue import republish
@@ -53,7 +53,7 @@ from celery_lease.scope import (
     HEADER_KEYS,
     HEADER_TENANT,
     authorize,
-    resolve,
+    resolve_scoped,
 )
 
 if TYPE_CHECKING:
@@ -64,6 +64,16 @@ __all__ = ["Execution"]
 logger = logging.getLogger(__name__)
 
 _F = TypeVar("_F")
+
+
+def _with(facts: _F, changes: dict[str, Any]) -> _F:
+    """``dataclasses.replace(facts, **changes)`` for decide's facts classes
+    (frozen dataclasses whose every field is an ``__init__`` argument) without
+    replace()'s loop over the fields in Python: most executions ask for a read."""
+    fields = getattr(facts, "__dict__", None)
+    if fields is None:  # a class with __slots__
+        return replace(facts, **changes)  # type: ignore[type-var]
+    return type(facts)(**{**fields, **changes})
 
 
 class Execution:
@@ -82,7 +92,7 @@ class Execution:
         self.hostname: str | None = self.req.hostname
         # Templates first, headers checked against them (celery_lease.scope):
         # a publisher's headers never override the task's own definition.
-        self.keys, self.tenant = resolve(
+        self.keys, self.tenant, self.scoped = resolve_scoped(
             task,
             args,
             kwargs,
@@ -90,7 +100,6 @@ class Execution:
             getattr(self.req, HEADER_TENANT, None),
             self.cfg.limits,
         )
-        self.scoped = [scoped(k, self.tenant) for k in self.keys]
         self.key = self.scoped[0]
         self.meta = {
             "task_id": self.task_id,
@@ -102,7 +111,10 @@ class Execution:
         #: Leases and results in one database: the claim brings the look-up
         #: :meth:`prepare` needs (ResultTable.claim_prepared, one round trip).
         self.prepared: Prepared | None = None
-        self.reads = Reads(self)
+
+    @cached_property  # most executions decide without a read
+    def reads(self) -> Reads:
+        return Reads(self)
 
     # -- the whole path ----------------------------------------------------------
 
@@ -190,7 +202,7 @@ class Execution:
             answer = fn(facts)
             if isinstance(answer, Outcome):
                 return answer
-            facts = replace(facts, **self.reads.read(answer, facts))  # type: ignore[type-var]
+            facts = _with(facts, self.reads.read(answer, facts))
 
     # -- claiming ------------------------------------------------------------------
 

@@ -229,9 +229,16 @@ class KeySpec:
             params = list(sig.parameters.values())[1:]
             sig = sig.replace(parameters=params)
         self.signature = sig
+        #: Plain parameters are bound without Signature.bind, the dearest step of
+        #: a per-call key (a call that does not fit still goes to it, to raise).
+        self._plain = _plain_parameters(sig)
+        #: What a template reads (None: all, for a nested format spec), put in order.
+        self._reads: tuple[str, ...] | None = None
         if isinstance(template, str):
             self.fields = _template_fields(task_name, template)
             self._check_fields()
+            if not any("{" in (spec or "") for _, _, spec, _ in string.Formatter().parse(template)):
+                self._reads = tuple(dict.fromkeys(self.fields))
         elif template is not None and not callable(template):
             raise LeaseConfigError(
                 f"task {task_name!r}: lease_key must be a format string or a callable, "
@@ -254,6 +261,10 @@ class KeySpec:
                 )
 
     def bind(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        if self._plain is not None:
+            arguments = _bind_plain(self._plain, args, kwargs)
+            if arguments is not None:
+                return arguments
         if self.signature is None:
             return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
         try:
@@ -283,7 +294,12 @@ class KeySpec:
             produced = template(*args, **kwargs)
             found = [produced] if isinstance(produced, str) else list(produced)
         elif isinstance(template, str):
-            arguments = {name: _ordered(v) for name, v in self.bind(args, kwargs).items()}
+            bound = self.bind(args, kwargs)
+            reads = self._reads
+            if reads is None:
+                arguments = {name: _ordered(v) for name, v in bound.items()}
+            else:  # a field the call lacks stays missing: _format names it
+                arguments = {name: _ordered(bound[name]) for name in reads if name in bound}
             return self._format(template, arguments, limits)
         else:
             arguments = self.bind(args, kwargs)
@@ -318,12 +334,13 @@ class KeySpec:
     def _checked(self, found: list[Any], limits: KeyLimits | None = None) -> list[str]:
         if limits is not None:
             check_limits(self.task_name, found, limits)
-        if not found or not all(isinstance(k, str) and k for k in found):
+        keys = [user_key(k) for k in found if isinstance(k, str) and k]
+        if not keys or len(keys) != len(found):
             raise LeaseConfigError(
                 f"task {self.task_name!r}: lease_key produced {found[:10]!r}; keys are "
                 "non-empty strings"
             )
-        return [user_key(k) for k in found]
+        return keys
 
     def keys_for_lookup(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[str]:
         """The keys a call with (only) these arguments would lease, for reading results.
@@ -372,6 +389,44 @@ class KeySpec:
 
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _plain_parameters(
+    sig: inspect.Signature | None,
+) -> tuple[tuple[str, ...], frozenset[str], dict[str, Any]] | None:
+    """``(names, their set, defaults)`` when every parameter is positional-or-keyword."""
+    if sig is None:
+        return None
+    params = sig.parameters.values()
+    if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+        return None
+    names = tuple(p.name for p in params)
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    return names, frozenset(names), defaults
+
+
+def _bind_plain(
+    plain: tuple[tuple[str, ...], frozenset[str], dict[str, Any]],
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+) -> dict[str, Any] | None:
+    """What ``Signature.bind`` + ``apply_defaults`` give for plain parameters
+    (in parameter order), or None for a call they do not fit."""
+    names, known, defaults = plain
+    n = len(args)
+    if n > len(names):
+        return None
+    arguments = dict(zip(names, args))
+    if kwargs and any(k not in known or k in arguments for k in kwargs):
+        return None
+    for name in names[n:]:
+        if name in kwargs:
+            arguments[name] = kwargs[name]
+        elif name in defaults:
+            arguments[name] = defaults[name]
+        else:
+            return None
+    return arguments
 
 
 def _fit(

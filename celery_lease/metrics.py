@@ -71,7 +71,13 @@ class _Lazy:
             # inside the task.
             with _make_lock:
                 if self._metric is None:
-                    self._metric = self._create()
+                    metric = self._create()
+                    # Later counts call the metric's own methods, not this
+                    # wrapper's: a task counts several times on every run.
+                    for name in ("inc", "dec", "set", "observe"):
+                        if hasattr(metric, name):
+                            setattr(self, name, getattr(metric, name))
+                    self._metric = metric
         return self._metric
 
     def _create(self) -> Any:

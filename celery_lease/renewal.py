@@ -94,6 +94,10 @@ def check_schedule(
 
 LostCallback = Callable[["HeldLease", str], None]
 
+#: (TTL, renew interval, clock drift) schedules check_schedule accepted: a
+#: process's tasks share a few, and every grant builds a HeldLease.
+_fitting: set[tuple[float, float, float]] = set()
+
 
 class HeldLease:
     """A lease this process holds: the grant's facts plus the local view.
@@ -120,7 +124,11 @@ class HeldLease:
         self.clock_drift = (
             clock_drift if clock_drift is not None else default_clock_drift(lease.ttl)
         )
-        check_schedule(self.ttl, self.renew_interval, self.clock_drift)
+        schedule = (self.ttl, self.renew_interval, self.clock_drift)
+        if schedule not in _fitting:  # one check per schedule, not one per grant
+            check_schedule(*schedule)
+            if len(_fitting) < 256:
+                _fitting.add(schedule)
         start = sent_at if sent_at is not None else time.monotonic()
         self.valid_until = start + self.ttl - self.clock_drift
         self.next_renewal = start + self.renew_interval

@@ -46,6 +46,7 @@ __all__ = [
     "authorize",
     "publish_headers",
     "resolve",
+    "resolve_scoped",
 ]
 
 HEADER_KEYS = "lease_keys"
@@ -74,6 +75,19 @@ def resolve(
     limits: KeyLimits,
 ) -> tuple[list[str], str | None]:
     """``(keys, tenant)`` of a call: unscoped keys as the task names them, and its tenant."""
+    keys, tenant, _ = resolve_scoped(task, args, kwargs, header_keys, header_tenant, limits)
+    return keys, tenant
+
+
+def resolve_scoped(
+    task: LeasedTask,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    header_keys: Any,
+    header_tenant: Any,
+    limits: KeyLimits,
+) -> tuple[list[str], str | None, list[str]]:
+    """:func:`resolve`, and the keys as stores hold them (:func:`scoped`), made once."""
     tenant_spec = type(task)._lease_tenantspec
     if tenant_spec is not None:
         tenant: str | None = tenant_spec.keys(args, kwargs, limits)[0]
@@ -94,9 +108,8 @@ def resolve(
             )
     else:
         keys = _header_keys(task, header_keys, limits)
-    for key in keys:
-        scoped(key, tenant)  # refuses reserved keys (t/..., celery-lease/...)
-    return keys, tenant
+    # scoped() also refuses reserved keys (t/..., celery-lease/...).
+    return keys, tenant, [scoped(key, tenant) for key in keys]
 
 
 def publish_headers(

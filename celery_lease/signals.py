@@ -163,6 +163,8 @@ def _revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> No
         return
     headers = getattr(request, "_request_dict", {}) or {}
     keys = headers.get(HEADER_KEYS) or []
+    if not keys:
+        return  # not a leased task's message: no stores to build for it
     release_terminated(runtime(app).store, keys, headers.get(HEADER_TENANT), request.id)
 
 

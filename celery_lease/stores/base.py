@@ -76,6 +76,7 @@ MAX_TTL = 365 * 24 * 3600.0
 
 #: Audit fields a claim may carry; stores keep them with the lease record.
 META_FIELDS = ("task_id", "task_name", "root_id", "tenant")
+_META_FIELDS = frozenset(META_FIELDS)
 
 
 def new_owner_id() -> str:
@@ -203,7 +204,7 @@ def check_ttl(ttl: float) -> float:
 def check_meta(meta: Mapping[str, str | None] | None) -> dict[str, str]:
     if not meta:
         return {}
-    unknown = set(meta) - set(META_FIELDS)
+    unknown = set(meta) - _META_FIELDS
     if unknown:
         raise LeaseConfigError(f"unknown lease metadata {sorted(unknown)}; known: {META_FIELDS}")
     return {k: str(v) for k, v in meta.items() if v is not None}
@@ -282,6 +283,8 @@ class LeaseStore(ABC):
 
         Returns the :class:`Lease`, or None while another live owner holds a key.
         """
+        if type(key) is list and len(key) == 1 and type(key[0]) is str:
+            key = key[0]  # a task's one scoped key: claimed as that key
         if type(key) is str and key:  # the common case, one key: what normalize_keys does
             primary = shorten(key)
             keys: tuple[str, ...] = (primary,)
