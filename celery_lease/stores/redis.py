@@ -130,7 +130,7 @@ class RedisLeaseStore(LeaseStore):
             # changed after the GET (another caller replaced it first).
             with self.client.pipeline() as pipe:
                 try:
-                    pipe.watch(marker)
+                    pipe.watch(marker)  # type: ignore[no-untyped-call]
                     current = pipe.get(marker)
                     if current is not None and _str(current) not in (owner_id, *replace):
                         return False
