@@ -56,7 +56,7 @@ untouched; copy.* rows apply after a raised body and a refused commit alike)::
     defer.counted         behind another task id's lease -> DEFER, deferrals + 1
     defer.uncounted       behind this task id, or an outage -> DEFER, deferrals unchanged
     republish.queued      the marker names a newer copy of this task id -> DROP
-    republish.publish     the marker names this copy, its parent, none or is unreadable -> PUBLISH
+    republish.publish     the marker names this copy, or what it replaces, or none -> PUBLISH
 
 "Uncounted" deferrals do not spend ``lease_defer_max``: it ends an endless
 conflict with *other* task ids; waiting behind a copy of this very task id, or
@@ -86,6 +86,7 @@ from celery_lease.facts import (
 )
 
 __all__ = [
+    "ANY_MARKER",
     "UNREAD",
     "Act",
     "BackendState",
@@ -494,6 +495,10 @@ def decide_defer(s: Defer) -> Outcome:
     return Outcome("defer.uncounted", Act.DEFER, s.reason, False, s.countdown, deferrals=deferrals)
 
 
+#: What a copy replaces when its publisher could not read the marker.
+ANY_MARKER = "*"
+
+
 @dataclass(frozen=True)
 class Republish:
     """A copy about to defer. Every published copy has its own defer id; the
@@ -501,15 +506,20 @@ class Republish:
     restore) only the one whose successor took the marker goes on."""
 
     defer_id: str | None  # this copy's (None: the task's first message)
-    parent: str | None = None  # the defer id of the copy this one replaced
+    #: the marker value this copy's publisher read: the marker this copy
+    #: stands for while the publisher's move of it did not land (ANY_MARKER:
+    #: its publisher could not read it)
+    replaces: str | None = None
     marker: str | Failed | Unread | None = UNREAD  # the defer id the marker names
 
 
 def decide_republish(s: Republish) -> Outcome | Read:
     if s.marker is UNREAD:
         return Read.MARKER
-    # A marker unreadable: a second copy beats losing the work. The parent's
-    # id: this copy was published but its marker never set (a crash between).
-    if isinstance(s.marker, str) and s.marker not in (s.defer_id, s.parent):
+    # A marker unreadable: a second copy beats losing the work.
+    if isinstance(s.marker, Failed):
+        return Outcome("republish.publish", Act.PUBLISH, replaces=ANY_MARKER)
+    mine = (s.defer_id, s.replaces)
+    if s.marker is not None and s.replaces != ANY_MARKER and s.marker not in mine:
         return Outcome("republish.queued", Act.DROP, "a deferred copy is already queued")
-    return Outcome("republish.publish", Act.PUBLISH)
+    return Outcome("republish.publish", Act.PUBLISH, replaces=s.marker)

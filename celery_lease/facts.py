@@ -86,6 +86,8 @@ class Outcome:
     note: str | None = None
     #: defer.*: the deferral count the copy carries
     deferrals: int = 0
+    #: PUBLISH: the deferral marker the new copy replaces (lease_defer_replaces)
+    replaces: str | None = None
 
 
 @dataclass(frozen=True)

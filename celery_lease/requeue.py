@@ -1,7 +1,7 @@
 """Re-publishing a task id: a deferral or a re-queue, at most one copy outstanding.
 
 A copy carries the keys and tenant the execution resolved, its own
-``lease_defer_id``, the id of the copy it replaced (``lease_defer_parent``)
+``lease_defer_id``, the deferral marker it replaces (``lease_defer_replaces``)
 and its counted deferrals; its ETA is taken from the runtime's clock (the
 store's), not this worker's. A store marker per task id names the newest
 copy. It is moved only *after* the copy is published: moved before, a worker
@@ -14,6 +14,11 @@ for ever, and every restore would double the task's copies. With one id per
 copy, the marker moves from the twins' id to one successor's only (a
 compare-and-set, :meth:`LeaseStore.mark`'s ``replace``), and the other
 twin's successor is dropped at its next deferral.
+
+Why a copy carries the marker it replaces: the move may not land (the store
+refusing writes, a crash right after the publish), and then the marker still
+names what the publisher read. The copy goes on under that marker too, and
+under any marker when its publisher could not read one.
 """
 
 from __future__ import annotations
@@ -26,12 +31,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from celery.exceptions import Ignore, Reject
 
 from celery_lease import decide, events
-from celery_lease.decide import Act
+from celery_lease.decide import ANY_MARKER, Act
 from celery_lease.exceptions import StoreUnavailable
 from celery_lease.scope import (
     DEFER_MARKER,
     HEADER_DEFER_ID,
-    HEADER_DEFER_PARENT,
+    HEADER_DEFER_REPLACES,
     HEADER_DEFERRALS,
     HEADER_DELAY,
     HEADER_KEYS,
@@ -55,8 +60,8 @@ def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> N
         # held past its visibility timeout.
         countdown = min(countdown, vt / 2)
     own = getattr(ex.req, HEADER_DEFER_ID, None)
-    parent = getattr(ex.req, HEADER_DEFER_PARENT, None)
-    outcome = ex.decide(decide.decide_republish, decide.Republish(own, parent))
+    replaces = getattr(ex.req, HEADER_DEFER_REPLACES, None)
+    outcome = ex.decide(decide.decide_republish, decide.Republish(own, replaces))
     if outcome.act is Act.DROP:
         # Another copy of this task id is deferred already: drop this one.
         ex.event(events.LEASE_REJECTED, reason=outcome.reason)
@@ -68,7 +73,7 @@ def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> N
             HEADER_KEYS: ex.keys,
             HEADER_TENANT: ex.tenant,
             HEADER_DEFER_ID: defer_id,
-            HEADER_DEFER_PARENT: own,
+            HEADER_DEFER_REPLACES: outcome.replaces,
             HEADER_DEFERRALS: deferrals,
         }
     )
@@ -107,7 +112,7 @@ def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> N
             DEFER_MARKER + ex.task_id,
             defer_id,
             ttl=countdown + max(ex.opts.ttl, 10.0),
-            replace=tuple(i for i in (own, parent) if i),
+            replace=(outcome.replaces,) if outcome.replaces not in (None, ANY_MARKER) else (),
         )
     except StoreUnavailable:
         pass

@@ -38,7 +38,7 @@ __all__ = [
     "DEFER_MARKER",
     "HEADER_DEFERRALS",
     "HEADER_DEFER_ID",
-    "HEADER_DEFER_PARENT",
+    "HEADER_DEFER_REPLACES",
     "HEADER_DELAY",
     "HEADER_KEYS",
     "HEADER_NOT_BEFORE",
@@ -55,8 +55,9 @@ HEADER_TENANT = "lease_tenant"
 HEADER_DEFERRALS = "lease_deferrals"
 #: The id of one re-published copy of a task id (each copy has its own).
 HEADER_DEFER_ID = "lease_defer_id"
-#: The defer id of the copy a re-published copy replaced.
-HEADER_DEFER_PARENT = "lease_defer_parent"
+#: The deferral marker a re-published copy replaces: the value its publisher
+#: read (a defer id), or ``decide.ANY_MARKER`` (the marker was unreadable).
+HEADER_DEFER_REPLACES = "lease_defer_replaces"
 #: Store time before which a deferred copy must not claim (its ETA, in the store's clock).
 HEADER_NOT_BEFORE = "lease_not_before"
 #: Seconds a copy published without an ETA (no clock answered) waits before claiming.

@@ -662,6 +662,60 @@ def test_twin_copies_of_a_deferred_task_made_by_a_restore_do_not_both_go_on(
     assert not close, f"copies delivered together after the drop: {later}"
 
 
+def test_a_deferred_copy_whose_markers_were_never_written_goes_on(
+    tmp_path: Path, make_redis_server: Callable[..., RedisServer], pg_url: str
+) -> None:
+    """10. *A probe was dropped as a duplicate of itself* (a 600 s chaos run of
+    the one-id-per-copy deferral). With the lease store refusing writes
+    (Redis OOM; a READONLY replica after a failover) but still answering
+    reads, two deferrals in a row published their copy and could not move
+    the marker; the third copy met the marker of two copies back, took it
+    for another copy's and was dropped: the task was lost. A copy now
+    carries the marker value its publisher read, so it goes on under
+    whatever marker is left. Here the key is held by a lease the test
+    claimed (every copy defers behind it, a 3 s countdown: half the 6 s
+    visibility timeout), and the store answers OOM to writes for two of
+    the deferrals (its claim script, meeting a busy key, writes nothing)."""
+    broker, store = make_redis_server(), make_redis_server()
+    cell = Cell(tmp_path, broker, pg_url, store_url=store.url(2))
+    cell.restart_env(vt=6.0)
+    admin = redis.Redis.from_url(store.url(0))
+    try:
+        a = cell.worker("a", "qa")
+        key = f"oom-{uuid.uuid4().hex[:6]}"
+        held = cell.store.claim(key, ttl=90.0)
+        assert held is not None
+        second = str(uuid.uuid4())
+        cell.tasks.exclusive.apply_async((key, 0.1, 1), task_id=second, queue="qa")
+
+        def deferrals() -> int:
+            return a.log_text().count(f"LEASE_DEFERRED {second}")
+
+        wait_for(lambda: deferrals() >= 1, 30, "a first deferral, behind the held key")
+        used = int(admin.info("memory")["used_memory"])
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", str(max(1, used // 2)))
+        try:
+            with pytest.raises(redis.exceptions.OutOfMemoryError):
+                admin.set("celery-lease-test:oom-probe", "x")  # the fault is on
+            wait_for(lambda: deferrals() >= 3, 30, "two deferrals while the store refuses writes")
+        finally:
+            admin.config_set("maxmemory", "0")
+        dropped = "a deferred copy is already queued"
+        wait_for(
+            lambda: deferrals() >= 4 or dropped in a.log_text(),
+            30,
+            "the next copy to meet the held key",
+        )
+        assert dropped not in a.log_text(), "the copy was dropped: the task is lost"
+        assert cell.store.release(held)
+        wait_for(lambda: cell.state(second)["status"] == "SUCCESS", 30, "the second task")
+        assert len(cell.records(_is("start", second))) == 1
+    finally:
+        admin.close()
+        cell.close()
+
+
 def test_an_amqp_broker_without_publisher_confirms_is_warned_about(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

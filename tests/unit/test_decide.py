@@ -66,6 +66,7 @@ class Case:
     reason: str | None = None
     deferrals: int | None = None
     note: str | None = None
+    replaces: str | bool | None = False  # False: not checked
 
 
 def walk(case: Case) -> tuple[Outcome | None, list[Read]]:
@@ -733,6 +734,7 @@ CASES = [
         Act.PUBLISH,
         answers={Read.MARKER: {"marker": "mine"}},
         reads=(Read.MARKER,),
+        replaces="mine",
     ),
     Case(
         "republish.publish",
@@ -741,22 +743,33 @@ CASES = [
         Act.PUBLISH,
         answers={Read.MARKER: {"marker": None}},
         reads=(Read.MARKER,),
+        replaces=None,
     ),
-    Case(  # this copy's parent: published, its marker never set (a crash)
+    Case(  # the marker its publisher read: the move did not land (a write refused, a crash)
         "republish.publish",
         decide.decide_republish,
-        Republish("mine", parent="before"),
+        Republish("mine", replaces="before"),
         Act.PUBLISH,
         answers={Read.MARKER: {"marker": "before"}},
         reads=(Read.MARKER,),
+        replaces="before",
     ),
     Case(  # a twin (a broker restore) whose successor took the marker first
         "republish.queued",
         decide.decide_republish,
-        Republish("mine", parent="before"),
+        Republish("mine", replaces="before"),
         Act.DROP,
         answers={Read.MARKER: {"marker": "twins-successor"}},
         reads=(Read.MARKER,),
+    ),
+    Case(  # its publisher could not read the marker: it goes on under any
+        "republish.publish",
+        decide.decide_republish,
+        Republish("mine", replaces=decide.ANY_MARKER),
+        Act.PUBLISH,
+        answers={Read.MARKER: {"marker": "whatever"}},
+        reads=(Read.MARKER,),
+        replaces="whatever",
     ),
     Case(  # the task's first message, restored after its deferral
         "republish.queued",
@@ -773,6 +786,7 @@ CASES = [
         Act.PUBLISH,
         answers={Read.MARKER: {"marker": Failed("down")}},
         reads=(Read.MARKER,),
+        replaces=decide.ANY_MARKER,
     ),
 ]
 
@@ -792,6 +806,8 @@ def test_row(case: Case) -> None:
         assert outcome.deferrals == case.deferrals
     if case.note is not None:
         assert outcome.note == case.note
+    if case.replaces is not False:
+        assert outcome.replaces == case.replaces
 
 
 def test_lookup_that_answered_goes_on() -> None:
