@@ -426,6 +426,18 @@ def _late_copy_outcome(cell: Cell, worker: ChaosWorker, task_id: str) -> str | N
     return None
 
 
+def _holds_copy(cell: Cell, task_id: str) -> bool:
+    """True while a deferred copy of ``task_id`` (it has a defer id) is unacked."""
+    client = redis.Redis.from_url(cell.env["CHAOS_BROKER"])
+    try:
+        messages = [_message(v) for v in client.hvals("unacked")]
+    finally:
+        client.close()
+    return any(
+        m["headers"].get("id") == task_id and m["headers"].get("lease_defer_id") for m in messages
+    )
+
+
 def _restored(cell: Cell, task_id: str) -> bool:
     """True once the broker took ``task_id``'s message out of its unacked set.
 
@@ -630,6 +642,7 @@ def test_twin_copies_of_a_deferred_task_made_by_a_restore_do_not_both_go_on(
     wait_for(lambda: cell.records(_is("start", first)), 30, "the first body to start")
     cell.tasks.exclusive.apply_async((key, 0.1, 1), task_id=second, queue="qa")
     wait_for(lambda: f"LEASE_DEFERRED {second}" in a.log_text(), 30, "A to defer the second task")
+    wait_for(lambda: _holds_copy(cell, second), 30, "A to take the deferred copy (unacked)")
     a.stop_group()  # holding the deferred copy, unacked
     try:
         wait_for(lambda: _restored(cell, second), 30, "the broker to restore the deferred copy")
