@@ -79,16 +79,23 @@ def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> N
     )
     when = _when(ex, countdown, headers)
     sig = ex.task.signature_from_request(ex.req, ex.args, ex.kwargs, headers=headers, **when)
+    _publish(ex, sig)
+    _move_marker(ex, defer_id, outcome.replaces, ttl=countdown + max(ex.opts.ttl, 10.0))
+    ex.event(events.LEASE_DEFERRED, countdown=round(countdown, 3), reason=reason)
+    raise Ignore()
+
+
+def _publish(ex: Execution, sig: Any) -> None:
+    """Hand the copy to the broker; if it cannot take it, give the message back."""
     try:
         sig.apply_async()
     except Exception as e:
-        # The copy was not handed to the broker. Under acks_late give this
-        # message back instead: it is delivered again once the broker (or
-        # kombu's connection) is back, and nothing of the task is decided.
-        # Ending it FAILURE here would write FAILURE over a task id whose
-        # other copy (a broker restore) may still succeed. Any error, not
-        # only the transport's: a publish during a reconnect can also fail
-        # inside kombu (an AttributeError on a connection torn down under
+        # Under acks_late the message given back is delivered again once the
+        # broker (or kombu's connection) is back, and nothing of the task is
+        # decided. Ending it FAILURE here would write FAILURE over a task id
+        # whose other copy (a broker restore) may still succeed. Any error,
+        # not only the transport's: a publish during a reconnect can also
+        # fail inside kombu (an AttributeError on a connection torn down under
         # it). A permanent error cannot come from the copy itself: it is the
         # message this worker received, re-encoded with the same serializer.
         # Without acks_late the message is gone already: let the error stand.
@@ -105,19 +112,21 @@ def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> N
             extra={"action": "republish_failed", "task_id": ex.task_id, "lease_key": ex.key},
         )
         raise Reject(e, requeue=True) from e
+
+
+def _move_marker(ex: Execution, defer_id: str, replaces: str | None, *, ttl: float) -> None:
+    """Point the task id's deferral marker at the copy just published."""
     try:
         # False: a twin's successor took the marker first; this copy is then
         # dropped at its next deferral (or runs, if the key is free by then).
         ex.rt.store.mark(
             DEFER_MARKER + ex.task_id,
             defer_id,
-            ttl=countdown + max(ex.opts.ttl, 10.0),
-            replace=(outcome.replaces,) if outcome.replaces not in (None, ANY_MARKER) else (),
+            ttl=ttl,
+            replace=(replaces,) if replaces not in (None, ANY_MARKER) else (),
         )
     except StoreUnavailable:
         pass
-    ex.event(events.LEASE_DEFERRED, countdown=round(countdown, 3), reason=reason)
-    raise Ignore()
 
 
 def _when(ex: Execution, countdown: float, headers: dict[str, Any]) -> dict[str, Any]:
