@@ -465,11 +465,14 @@ def test_a_lease_that_ran_out_is_held_until_etcd_revokes_it(
     store = LeaseStore.from_url(cluster.url)
     assert isinstance(store, EtcdLeaseStore)
     key = new_key("lag")
-    fillers, ttl_end = 4000, time.time() + 8  # every filler runs out in the same second
+    # Every filler runs out in the same second; the window leaves room for a
+    # loaded machine (granting 4,000 leases took over 8 s beside a chaos run).
+    fillers, ttl_end = 4000, time.time() + 25
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda _: cluster.call(
             "lease/grant", {"TTL": str(max(1, math.ceil(ttl_end - time.time())))}
         ), range(fillers)))  # fmt: skip
+    assert time.time() < ttl_end - 2, "granting the fillers outlasted their window"
     # ... and this lease a second later: behind them in the revocation queue
     lease = store.claim(key, owner_id=A, ttl=math.ceil(ttl_end - time.time()) + 1,
                         meta={"task_id": "t-0"})  # fmt: skip
