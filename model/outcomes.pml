@@ -31,7 +31,7 @@ defer_out:
   if
   CRASH
   :: atomic {
-       /* @code celery_lease/requeue.py:republish "sig.apply_async()" */
+       /* @code celery_lease/requeue.py:_publish "sig.apply_async()" */
        qlate[T]++;
        msgs++;
        assert(qlate[T] <= MAX_QUEUED);

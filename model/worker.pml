@@ -147,7 +147,7 @@ claim:
  * this task id finished already. */
 store_down:
   atomic {
-    /* @code celery_lease/decide.py:decide_claim "if c.commit and c.mine is UNREAD:" */
+    /* @code celery_lease/decide.py:_done "if c.commit and c.mine is UNREAD:" */
     if
     :: mine = (task_acc[T] != 0 -> YES : NO)
     :: LOSSY; mine = UNKNOWN
