@@ -363,8 +363,10 @@ class ServerFaults:
 
     # -- a child dies between the commit and the backend write ----------------------
 
-    def _f_kill_after_commit(self, w: ChaosWorker) -> dict[str, Any]:
-        arm = Path(KILL_ARM.format(history=self.c.history, hostname=w.hostname))
+    def _fire_armed(self, w: ChaosWorker, arm_file: str, event: str, what: str) -> dict[str, Any]:
+        """Arm ``w`` (the one-shot file ``arm_file``), wait for an execution to
+        take the shot (``what``: what it waits for) and return its history line."""
+        arm = Path(arm_file.format(history=self.c.history, hostname=w.hostname))
         nonce = uuid.uuid4().hex
         arm.write_text(nonce)
         deadline = time.monotonic() + KILL_WINDOW
@@ -372,16 +374,20 @@ class ServerFaults:
             time.sleep(0.1)
         try:
             arm.unlink()
-            raise RuntimeError(f"no commit on {w.name} within {KILL_WINDOW:.0f}s: disarmed")
+            raise RuntimeError(f"no {what} on {w.name} within {KILL_WINDOW:.0f}s: disarmed")
         except FileNotFoundError:
             pass  # an execution took the shot
         rec = None
         deadline = time.monotonic() + 10.0
         while rec is None and time.monotonic() < deadline:
-            rec = self._history_record("kill_after_commit", nonce)
+            rec = self._history_record(event, nonce)
             time.sleep(0.1)
         if rec is None:
             raise RuntimeError(f"armed {w.name}, the shot was taken, no history line")
+        return rec
+
+    def _f_kill_after_commit(self, w: ChaosWorker) -> dict[str, Any]:
+        rec = self._fire_armed(w, KILL_ARM, "kill_after_commit", "commit")
         pid = int(rec["pid"])
         deadline = time.monotonic() + 10.0
         while _alive(pid):
@@ -395,25 +401,8 @@ class ServerFaults:
                 "accepted_token": accepted, "child_dead": True}  # fmt: skip
 
     def _f_publish_error(self, w: ChaosWorker) -> dict[str, Any]:
-        arm = Path(PUBLISH_ARM.format(history=self.c.history, hostname=w.hostname))
-        nonce = uuid.uuid4().hex
         offset = len(w.log_text().encode())
-        arm.write_text(nonce)
-        deadline = time.monotonic() + KILL_WINDOW
-        while arm.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        try:
-            arm.unlink()
-            raise RuntimeError(f"no re-publish on {w.name} within {KILL_WINDOW:.0f}s: disarmed")
-        except FileNotFoundError:
-            pass  # a re-publish took the shot
-        rec = None
-        deadline = time.monotonic() + 10.0
-        while rec is None and time.monotonic() < deadline:
-            rec = self._history_record("publish_error", nonce)
-            time.sleep(0.1)
-        if rec is None:
-            raise RuntimeError(f"armed {w.name}, the shot was taken, no history line")
+        rec = self._fire_armed(w, PUBLISH_ARM, "publish_error", "re-publish")
         # The proof: the worker logged the failed publish of that task id
         # (requeued; or, on code that lets it escape, the task's error).
         lines = (f"could not re-publish {rec['task_id']}", f"[{rec['task_id']}] raised unexpected")
