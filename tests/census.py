@@ -1,6 +1,6 @@
 """A census of what a worker process holds of celery-lease's: live objects of its
 types, when ``tracemalloc`` is tracing the bytes still allocated from its files,
-and the top-level packages the process has imported.
+the top-level packages the process has imported, and the size of glibc's heap.
 
 Run inside a pool process (the ``leaseapp.census`` task) and compared between two
 points of a long drain: anything kept per task (a cache keyed by task id or key, a
@@ -10,6 +10,7 @@ or a size that grows with the number of tasks run in between.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import sys
@@ -38,8 +39,46 @@ def take() -> dict[str, Any]:
             frame = stat.traceback[0]
             module = frame.filename.rsplit(f"{os.sep}celery_lease{os.sep}", 1)[-1]
             traced[f"{module}:{frame.lineno}"] = stat.size
+    if tracemalloc.is_tracing() and os.environ.get("CL_CENSUS_ALL") == "1":
+        everything = tracemalloc.take_snapshot().statistics("lineno")
+        traced["*"] = {f"{s.traceback[0].filename}:{s.traceback[0].lineno}": s.size
+                       for s in everything[:400]}  # fmt: skip
+    heap = _heap()
     packages = sorted({name.partition(".")[0] for name in list(sys.modules)})
-    return {"pid": os.getpid(), "types": dict(types), "traced": traced, "packages": packages}
+    return {
+        "pid": os.getpid(),
+        "types": dict(types),
+        "traced": traced,
+        "packages": packages,
+        "heap": heap,
+    }
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+        "uordblks", "fordblks", "keepcost",
+    )]  # fmt: skip
+
+
+def _heap() -> dict[str, int]:
+    """glibc's main heap: bytes taken from the system (``arena``) and in use
+    (``uordblks``); memory freed but kept shows as the first growing alone."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # not glibc, or glibc before 2.33
+        return {}
+    mallinfo2.restype = _Mallinfo2
+    info = mallinfo2()
+    return {"arena": int(info.arena), "in_use": int(info.uordblks), "rss_kb": _rss_kb()}
+
+
+def _rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
 
 
 def growth(before: dict[str, Any], after: dict[str, Any], part: str) -> dict[str, int]:

@@ -62,6 +62,11 @@ from celery_lease.urls import check_redis_url
 
 __all__ = ["CLAIM", "EVICT", "INSPECT", "RELEASE", "RENEW", "RedisLeaseStore", "server_reply"]
 
+#: Bytes redis-py asks the socket for per read (its ``socket_read_size``): a
+#: bytes object of this size plus its 33-byte header stays within the 512 bytes
+#: Python's small-object allocator serves (see ``RedisLeaseStore.__init__``).
+SOCKET_READ_SIZE = 448
+
 
 class RedisLeaseStore(LeaseStore):
     takes_key_prefix = True
@@ -89,6 +94,14 @@ class RedisLeaseStore(LeaseStore):
         self.prefix = key_prefix
         options.setdefault("socket_timeout", 5.0)
         options.setdefault("socket_connect_timeout", 5.0)
+        # redis-py receives into a fresh bytes object of this size and shrinks it
+        # to the reply: at its default (tens of kB) that is a large glibc
+        # allocation per reply, cut down and kept, which fragments the heap of a
+        # long-running worker so that its RSS grows with every task (the memory
+        # benchmark, BENCHMARKS.md section 7). The hot path's replies are tens of
+        # bytes; a read this small comes from Python's own small-object
+        # allocator (up to 512 bytes) and a large reply just takes more reads.
+        options.setdefault("socket_read_size", SOCKET_READ_SIZE)
         try:
             self.client: redis.Redis = redis.Redis.from_url(url, **options)
             # redis-py connects lazily: build one connection object (no I/O) so an

@@ -64,6 +64,9 @@ def test_quick_benchmarks_write_every_table(tmp_path: Path) -> None:
     for fact in ("| nproc |", "| CPU |", "| python |", "| celery |", "| Redis server |",
                  "| PostgreSQL server |", "Command: `"):  # fmt: skip
         assert fact in text, f"machine facts: missing {fact!r}"
+    # the memory section sampled every process at every checkpoint
+    memory = text.split("## 7. Memory", 1)[1].split("\n## ", 1)[0]
+    assert "did not complete" not in memory, memory[-3000:]
     # the per-task section's CPU table attributes the drain's CPU to the worker
     per_task = text.split("## 2. Per task through a real worker", 1)[1].split("\n## ", 1)[0]
     assert "**CPU per task (ms)" in per_task, "per task: missing the CPU table"
