@@ -110,18 +110,18 @@ class ClusterTransport:
         node's WAIT counted (0 without ``wait``)."""
         cluster = self.store.client
         by_node: dict[ClusterNode, builtins.list[int]] = {}
-        try:
-            for i, (_, keys, _) in enumerate(calls):
-                by_node.setdefault(cluster.get_node_from_key(keys[0]), []).append(i)
-        except RedisClusterException as e:
-            raise RedisConnectionError(f"Redis Cluster: {e}") from e
         replies: builtins.list[Any] = [None] * len(calls)
         acked: int | None = None
-        for node, indexes in by_node.items():
-            got, node_acked = self._on_node(cluster, node, [calls[i] for i in indexes], wait)
-            for i, reply in zip(indexes, got):
-                replies[i] = reply
-            acked = node_acked if acked is None else min(acked, node_acked)
+        try:
+            for i, (_, keys, _) in enumerate(calls):
+                by_node.setdefault(cluster.get_node_from_key(keys[0]), []).append(i)  # type: ignore[no-untyped-call]
+            for node, indexes in by_node.items():
+                got, node_acked = self._on_node(cluster, node, [calls[i] for i in indexes], wait)
+                for i, reply in zip(indexes, got):
+                    replies[i] = reply
+                acked = node_acked if acked is None else min(acked, node_acked)
+        except RedisClusterException as e:  # no reachable node, a slot not served
+            raise RedisConnectionError(f"Redis Cluster: {e}") from e
         return replies, acked or 0
 
     def _on_node(
@@ -146,9 +146,10 @@ class ClusterTransport:
         except (RedisConnectionError, RedisTimeoutError):
             # The node is gone: each call through the cluster client, which
             # re-reads the slot map and finds the promoted replica.
-            replies = [self.run(*call) for call in calls]
-            return replies, self._wait_on(calls[0][1][0], wait) if wait is not None else 0
-        replies, redirected = [], False
+            rerun = [self.run(*call) for call in calls]
+            return rerun, self._wait_on(calls[0][1][0], wait) if wait is not None else 0
+        replies: builtins.list[Any] = []
+        redirected = False
         for call, reply in zip(calls, out):
             if isinstance(reply, ResponseError):
                 if server_reply(reply)[0] not in _REDIRECTS:
@@ -164,8 +165,8 @@ class ClusterTransport:
 
     def _wait_on(self, key: str, wait: tuple[int, int]) -> int:
         cluster = self.store.client
-        node = cluster.get_node_from_key(key)
-        return int(cluster.get_redis_connection(node).execute_command("WAIT", *wait))
+        node = cluster.get_node_from_key(key)  # type: ignore[no-untyped-call]
+        return int(cluster.get_redis_connection(node).execute_command("WAIT", *wait))  # type: ignore[no-untyped-call]
 
     def close(self) -> None:
         """Nothing kept: the cluster client owns its connections."""
@@ -174,9 +175,9 @@ class ClusterTransport:
 def _pipelined(client: redis.Redis, calls: Sequence[Call], wait: tuple[int, int] | None) -> Any:
     with client.pipeline(transaction=False) as pipe:
         for script, keys, args in calls:
-            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)  # type: ignore[no-untyped-call]
         if wait is not None:
-            pipe.execute_command("WAIT", *wait)
+            pipe.execute_command("WAIT", *wait)  # type: ignore[no-untyped-call]
         return pipe.execute(raise_on_error=False)
 
 
@@ -213,7 +214,7 @@ class ClusterLeaseStore(RedisLeaseStore):
                 options.setdefault("username", nodes.username)
         if url.lower().startswith("rediss+"):
             options.setdefault("ssl", True)
-        self._startup = [ClusterNode(host, port) for host, port in nodes.addresses]
+        self._startup = [ClusterNode(host, port) for host, port in nodes.addresses]  # type: ignore[no-untyped-call]
         self._options = options
         _check_node_options(url, options)
         self._client: RedisCluster | None = None
@@ -227,11 +228,12 @@ class ClusterLeaseStore(RedisLeaseStore):
         self._inspect = scripts.register_script(INSPECT)
         self._evict = scripts.register_script(EVICT)
         self._mark = scripts.register_script(MARK)
-        self.transport = ClusterTransport(self)  # type: ignore[assignment]
-        self._run = self.transport.run
+        self.nodes = ClusterTransport(self)
+        self.transport = self.nodes  # type: ignore[assignment]
+        self._run = self.nodes.run
 
-    @property  # type: ignore[override]
-    def client(self) -> RedisCluster:
+    @property
+    def client(self) -> RedisCluster:  # type: ignore[override]
         """The cluster client, connected on first use (it reads the slot map then)."""
         client = self._client
         if client is None:
@@ -277,7 +279,7 @@ class ClusterLeaseStore(RedisLeaseStore):
             calls.append((self._renew, names, args))
         wait = self.wait
         with self.errors():
-            replies, acked = self.transport.run_on_nodes(
+            replies, acked = self.nodes.run_on_nodes(
                 calls, None if wait is None else (wait.replicas, wait.timeout_ms)
             )
         if wait is not None and acked < wait.replicas:
@@ -299,7 +301,7 @@ class ClusterLeaseStore(RedisLeaseStore):
             (self._inspect, [self.lease_name(k), self.fence_name(k)], []) for k in keys
         ]
         with self.errors():
-            replies = self.transport.run_on_nodes(calls)[0] if calls else []
+            replies = self.nodes.run_on_nodes(calls)[0] if calls else []
         records = [self._record(k, r) for k, r in zip(keys, replies)]
         return [r for r in records if r is not None and r.owner_id is not None]
 

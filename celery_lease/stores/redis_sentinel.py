@@ -77,7 +77,7 @@ class SentinelLeaseStore(RedisLeaseStore):
                 options.setdefault("username", nodes.username)
         if sentinel_kwargs is None:
             sentinel_kwargs = {k: v for k, v in options.items() if k.startswith("socket_")}
-        self.sentinel = Sentinel(
+        self.sentinel = Sentinel(  # type: ignore[no-untyped-call]
             list(nodes.addresses),
             min_other_sentinels=min_other,
             sentinel_kwargs=dict(sentinel_kwargs),
@@ -85,7 +85,9 @@ class SentinelLeaseStore(RedisLeaseStore):
         for client in self.sentinel.sentinels:  # built, not connected: options are checked
             pool = client.connection_pool
             pool.connection_class(**pool.connection_kwargs)
-        master: redis.Redis = self.sentinel.master_for(master_name, db=nodes.db, **options)
+        master: redis.Redis = self.sentinel.master_for(  # type: ignore[no-untyped-call]
+            master_name, db=nodes.db, **options
+        )
         return master
 
     def close(self) -> None:

@@ -93,7 +93,7 @@ class ScriptTransport:
         if not self.direct:
             with self.client.pipeline(transaction=False) as pipe:
                 script(keys=keys, args=args, client=pipe)
-                pipe.execute_command(*wait)
+                pipe.execute_command(*wait)  # type: ignore[no-untyped-call]
                 reply, acked = pipe.execute()
             return reply, int(acked)
         command = (b"EVALSHA", script.sha, len(keys), *keys, *args)
