@@ -30,7 +30,11 @@ from redis.cluster import RedisCluster
 
 from tests.servers import LOOPBACK, RedisServer, wait_for
 
-__all__ = ["ClusterDeployment", "SentinelDeployment", "SentinelServer"]
+__all__ = ["SENTINEL_MASTER", "ClusterDeployment", "SentinelDeployment", "SentinelServer"]
+
+#: The name the deployments' sentinels monitor their master under
+#: (the store's ``master_name`` option).
+SENTINEL_MASTER = "leases"
 
 #: seconds a replica link, a sentinel's view or the cluster may take to settle
 SETTLE = 30.0
@@ -123,7 +127,7 @@ class SentinelDeployment:
         self,
         tmpdir: str | os.PathLike[str],
         *,
-        master_name: str = "leases",
+        master_name: str = SENTINEL_MASTER,
         replicas: int = 2,
         sentinels: int = 3,
     ) -> None:
@@ -298,6 +302,16 @@ class ClusterDeployment:
     @property
     def startup_nodes(self) -> list[tuple[str, int]]:
         return [(LOOPBACK, n.port) for n in self.nodes]
+
+    def url(self) -> str:
+        """The store's form: ``redis+cluster://h:p,h:p,...`` (every node a startup node)."""
+        return "redis+cluster://" + ",".join(f"{h}:{p}" for h, p in self.startup_nodes)
+
+    def flush(self) -> None:
+        """Empty every master (database 0, the only one)."""
+        for port in self.masters():
+            with _client(port) as c:
+                c.flushdb()
 
     def client(self, **kwargs: Any) -> RedisCluster:
         return RedisCluster(host=LOOPBACK, port=self.nodes[0].port, **kwargs)
