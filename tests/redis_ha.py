@@ -38,6 +38,8 @@ SENTINEL_MASTER = "leases"
 
 #: seconds a replica link, a sentinel's view or the cluster may take to settle
 SETTLE = 30.0
+#: Any node may become a master: none waits the default 5 s before a replica's sync.
+NO_DELAY = ["--repl-diskless-sync-delay", "0"]
 
 
 def _client(port: int) -> redis.Redis:
@@ -133,14 +135,14 @@ class SentinelDeployment:
     ) -> None:
         self.tmpdir = Path(tmpdir)
         self.master_name = master_name
-        self.nodes: list[RedisServer] = [RedisServer(tmpdir, appendonly=False)]
+        self.nodes: list[RedisServer] = [RedisServer(tmpdir, appendonly=False, extra_args=NO_DELAY)]
         primary = self.nodes[0].port
         for _ in range(replicas):
             self.nodes.append(
                 RedisServer(
                     tmpdir,
                     appendonly=False,
-                    extra_args=["--replicaof", LOOPBACK, str(primary)],
+                    extra_args=[*NO_DELAY, "--replicaof", LOOPBACK, str(primary)],
                 )
             )
         self.sentinels = [
@@ -229,6 +231,7 @@ class ClusterDeployment:
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", str(node.data_dir / "nodes.conf"),
                 "--cluster-node-timeout", "1000",
+                *NO_DELAY,
                 # a cluster holds database 0 only
                 "--databases", "1",
             ]  # fmt: skip

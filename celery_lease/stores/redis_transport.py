@@ -134,6 +134,10 @@ class ScriptTransport:
             try:
                 return _roundtrip(conn, command, script, then)
             except RedisConnectionError:  # closed while idle: once more, reconnected
+                # connect() explicitly: a Sentinel connection asks the sentinels for
+                # the master there, while the reconnect inside a send (redis-py 8)
+                # goes back to the address it had, the dead master's after a failover.
+                conn.connect()
                 return _roundtrip(conn, command, script, then)
 
         try:
