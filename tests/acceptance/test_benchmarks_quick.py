@@ -27,6 +27,7 @@ EXPECTED = {
     "## 4. Renewal scaling": "| leases | store | round trips per cycle |",
     "## 5. Contention: 32 processes on one key": "| store | contender | grants/s |",
     "## 6. Growth": "| configuration | live leases + results | claim p50 |",
+    "## 7. Redis Sentinel and Cluster": "| deployment | contender | pairs/s |",
 }
 
 
