@@ -38,8 +38,9 @@ __all__ = [
 ]
 
 #: Redis as run past one server (tests/redis_ha.py): Sentinel and Cluster, for the
-#: contract suites (with "wait": the same Sentinel store with wait_replicas=2).
-HA_STORE_KINDS = ("sentinel", "sentinel-wait", "cluster")
+#: contract suites; "sentinel-wait", the same Sentinel store with wait_replicas=2,
+#: only with --slow (the default suite keeps to its time budget).
+HA_STORE_KINDS = ("sentinel", pytest.param("sentinel-wait", marks=pytest.mark.slow), "cluster")
 
 #: The three stores every suite runs against.
 STORE_KINDS = ("redis", "postgres", "sqlite")

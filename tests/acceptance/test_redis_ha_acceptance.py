@@ -14,7 +14,9 @@ replicas, three sentinels; ``cluster_url``: three masters, three replicas):
    newer token and exactly one result is accepted.
 
 The helpers and the worker cluster are those of
-tests/acceptance/test_task_acceptance.py (there with a single Redis).
+tests/acceptance/test_task_acceptance.py (there with a single Redis). The
+worker tests are slow (run with ``--slow``): the default suite keeps to its
+time budget with the timeline alone.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ def make_cluster(
         cluster.close()
 
 
+@pytest.mark.slow  # 6-9 s each with real workers: the default suite keeps its budget
 def test_paused_owner_is_fenced_and_the_new_owners_result_stands(
     make_cluster: Callable[..., Cluster],
 ) -> None:
@@ -158,6 +161,7 @@ def test_paused_owner_is_fenced_and_the_new_owners_result_stands(
     assert backend_state(c, t2.id) == ("SUCCESS", v2)
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_child_redoes_the_work_with_a_newer_token(
     make_cluster: Callable[..., Cluster],
 ) -> None:

@@ -6,6 +6,9 @@ Real deployments (tests/redis_ha.py), private to each test that hurts them:
   the sentinels' view), the same store object reaches the new master, which
   has none of the scripts cached (proven with ``SCRIPT EXISTS``): NOSCRIPT is
   answered with EVAL, and a grant replicated before the crash is still held.
+Two Sentinel cases take 11-13 s and run with ``--slow``: the operator's
+failover and the lost grant.
+
 * Sentinel: after an operator's ``SENTINEL FAILOVER`` the old master serves
   as a replica (proven from ``ROLE``); the store's kept connections to it are
   dropped or answered READONLY, and either way its next calls go to the new
@@ -118,6 +121,7 @@ def _or_none(fn: Any, *args: Any, **kwargs: Any) -> Any:
         return None
 
 
+@pytest.mark.slow  # about 11 s: the sentinels' failover and the demotion
 def test_after_an_operators_failover_the_store_leaves_the_demoted_master(
     sentinel: SentinelDeployment,
 ) -> None:
@@ -140,6 +144,7 @@ def test_after_an_operators_failover_the_store_leaves_the_demoted_master(
     store.close()
 
 
+@pytest.mark.slow  # about 13 s: the sentinels demote a returning master after 8 s
 def test_a_grant_lost_in_a_failover_is_refused_by_the_fenced_table(
     sentinel: SentinelDeployment, tmp_path: Path
 ) -> None:
