@@ -16,6 +16,7 @@ failover and the lost grant.
 * Sentinel: a grant the old master made and never replicated is lost in the
   failover (proven: the new master has no trace of it); the fenced result
   table refuses that owner's commit, before and after a new owner commits.
+  With ``wait_replicas=1`` the same stranded master's grant is refused.
 * Cluster: a master SIGKILLed, its replica promoted (proven from CLUSTER
   NODES), the store follows; keys on every master are listed, and renewed in
   one round trip per master (counted by a connection class that counts its
@@ -144,32 +145,45 @@ def test_after_an_operators_failover_the_store_leaves_the_demoted_master(
     store.close()
 
 
+def _claim_on_a_stranded_master(
+    d: SentinelDeployment, store: LeaseStore, key: str
+) -> tuple[RedisServer, RedisServer, Any]:
+    """A's claim reaches the master while it is stopped; the sentinels promote a
+    replica; the old master resumes and answers the claim before the sentinels
+    demote it (they wait 8 s for that). Returns (old, new, the claim's answer or
+    the exception it raised)."""
+    assert store.inspect(key) is None  # the store's kept connection is to the master
+    old = d.master()
+    old.pause()
+    answered: list[Any] = []
+
+    def claim() -> None:
+        try:
+            answered.append(store.claim(key, owner_id=A, ttl=30))
+        except StoreUnavailable as e:
+            answered.append(e)
+
+    claiming = threading.Thread(target=claim)
+    claiming.start()
+    new = d.wait_failover(old)
+    old.resume()
+    claiming.join(30)
+    return old, new, answered[0]
+
+
 @pytest.mark.slow  # about 13 s: the sentinels demote a returning master after 8 s
 def test_a_grant_lost_in_a_failover_is_refused_by_the_fenced_table(
     sentinel: SentinelDeployment, tmp_path: Path
 ) -> None:
-    """A's claim reaches the master while it is stopped; the sentinels promote a
-    replica; the old master resumes, grants A, and is demoted before anything
-    replicates: A holds a grant the new master never saw."""
+    """The stranded master grants A, and is demoted before anything replicates:
+    A holds a grant the new master never saw, and B is granted the key too."""
     store_a = sentinel_store(sentinel, socket_timeout=30.0)
     store_b = sentinel_store(sentinel)
     table_a = ResultTable(f"sqlite:///{tmp_path / 'results.sqlite3'}", store_a)
     table_b = ResultTable(table_a.url, store_b)
     key = new_key("lost")
-    assert store_a.inspect(key) is None  # A's connection is open, to the master
-
-    old = sentinel.master()
-    old.pause()
-    claimed: list[Any] = []
-    claiming = threading.Thread(
-        target=lambda: claimed.append(store_a.claim(key, owner_id=A, ttl=30))
-    )
-    claiming.start()
-    new = sentinel.wait_failover(old)
-    old.resume()
-    claiming.join(30)
-    (lease_a,) = claimed
-    assert lease_a is not None, "the old master granted A"
+    old, new, lease_a = _claim_on_a_stranded_master(sentinel, store_a, key)
+    assert lease_a is not None and not isinstance(lease_a, Exception), "the old master granted A"
     wait_for(lambda: _role(old.port) == "slave", 20, "the old master demoted to a replica")
     with direct(new) as n:
         assert n.exists(store_a.lease_name(key)) == 0, "the new master never saw A's grant"
@@ -186,6 +200,26 @@ def test_a_grant_lost_in_a_failover_is_refused_by_the_fenced_table(
     with pytest.raises(StaleFencingToken):
         table_a.commit(lease_a, {"by": "A"})
     assert [(r.token, r.value) for r in table_b.history(key)] == [(lease_b.token, {"by": "B"})]
+    store_a.close()
+    store_b.close()
+
+
+def test_with_wait_replicas_a_stranded_master_grants_nothing(sentinel: SentinelDeployment) -> None:
+    """The same stranded master, with wait_replicas=1: its replicas follow the new
+    master now, WAIT counts none, and the grant is given back and refused. One
+    owner only: B, on the new master."""
+    store_a = sentinel_store(sentinel, socket_timeout=30.0, wait_replicas=1, wait_timeout_ms=300)
+    store_b = sentinel_store(sentinel)
+    key = new_key("stranded")
+    _, new, answer = _claim_on_a_stranded_master(sentinel, store_a, key)
+    assert isinstance(answer, StoreUnavailable), f"the stranded master answered {answer!r}"
+    assert "reached 0 of 1 replicas" in str(answer) and "released" in str(answer)
+    with direct(new) as n:
+        assert n.exists(store_a.lease_name(key)) == 0
+    lease_b = store_b.claim(key, owner_id=B, ttl=30)
+    assert lease_b is not None
+    record = store_b.inspect(key)
+    assert record is not None and (record.owner_id, record.token) == (B, lease_b.token)
     store_a.close()
     store_b.close()
 
