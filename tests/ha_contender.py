@@ -56,7 +56,7 @@ def commit(table: ResultTable, lease: Any, owner: str) -> tuple[str, float]:
     return "accepted", started
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="ha_contender")
     parser.add_argument("url")
     parser.add_argument("log")
@@ -67,76 +67,90 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--abandon", type=float, default=0.05)
     parser.add_argument("--options", default="{}")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    keys = args.keys.split(",")
-    store = LeaseStore.from_url(args.url, **json.loads(args.options))
-    table = ResultTable(args.results, store)
-    rng = random.Random(os.getpid() ^ time.monotonic_ns())
-    generation = 0
-    store.inspect(keys[0])  # connect before the start line
+
+class Contender:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.keys = args.keys.split(",")
+        self.store = LeaseStore.from_url(args.url, **json.loads(args.options))
+        self.table = ResultTable(args.results, self.store)
+        self.rng = random.Random(os.getpid() ^ time.monotonic_ns())
+        self.generation = 0
+        self.counts = {"attempts": 0, "refused": 0, "errors": 0, "late": 0}
+
+    def log(self, record: dict[str, Any]) -> None:
+        append(self.args.log, record)
+
+    def claim(self, key: str, owner: str) -> tuple[Any, float] | None:
+        """Claim and register: (lease, when the claim returned), or None if refused."""
+        self.counts["attempts"] += 1
+        try:
+            lease = self.store.claim(key, owner_id=owner, ttl=self.args.ttl)
+            granted = time.monotonic()
+            if lease is not None:
+                self.table.register(lease)
+        except StoreUnavailable as e:
+            self.counts["errors"] += 1
+            self.log({"error": str(e)[:600], "op": "claim", "t": time.monotonic()})
+            time.sleep(0.02)
+            return None
+        except StaleFencingToken:  # a newer owner registered first: not ours to use
+            self.log({"late": True, "key": key, "token": lease.token, "t": time.monotonic()})
+            return None
+        if lease is None:
+            self.counts["refused"] += 1
+            time.sleep(self.rng.uniform(0.002, 0.02))
+            return None
+        return lease, granted
+
+    def once(self) -> None:
+        owner = f"contender-{self.args.index}:{os.getpid()}:{self.generation}"
+        key = self.rng.choice(self.keys)
+        sent = time.monotonic()
+        claimed = self.claim(key, owner)
+        if claimed is None:
+            return
+        lease, granted = claimed
+        registered = time.monotonic()
+        valid_until = sent + lease.ttl - MARGIN
+        work = self.rng.uniform(0.01, 0.06)
+        if registered + work >= valid_until:
+            # Came back too late to be used (a claim held up by a failover).
+            self.counts["late"] += 1
+            self.log({"late": True, "key": key, "token": lease.token, "t": registered})
+            return
+        enter = time.monotonic()
+        time.sleep(work)
+        leave = time.monotonic()
+        outcome, commit_started = "abandoned", leave
+        if self.rng.random() < self.args.abandon:
+            self.generation += 1  # as if this process died holding the lease
+        else:
+            outcome, commit_started = commit(self.table, lease, owner)
+        self.log(
+            {
+                "key": key, "token": lease.token, "owner": owner, "sent": sent,
+                "granted": granted, "registered": registered, "enter": enter, "leave": leave,
+                "valid_until": valid_until, "commit_started": commit_started, "outcome": outcome,
+            }
+        )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    contender = Contender(args)
+    contender.store.inspect(contender.keys[0])  # connect before the start line
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     if sys.stdin.readline().strip() != "go":
         return
     stop = time.monotonic() + args.duration
-    counts = {"attempts": 0, "refused": 0, "errors": 0, "late": 0}
     while time.monotonic() < stop:
-        owner = f"contender-{args.index}:{os.getpid()}:{generation}"
-        key = rng.choice(keys)
-        counts["attempts"] += 1
-        sent = time.monotonic()
-        try:
-            lease = store.claim(key, owner_id=owner, ttl=args.ttl)
-            granted = time.monotonic()
-            if lease is not None:
-                table.register(lease)
-        except StoreUnavailable as e:
-            counts["errors"] += 1
-            append(args.log, {"error": str(e)[:600], "op": "claim", "t": time.monotonic()})
-            time.sleep(0.02)
-            continue
-        except StaleFencingToken:  # a newer owner registered first: not ours to use
-            append(args.log, {"late": True, "key": key, "token": lease.token, "t": sent})
-            continue
-        if lease is None:
-            counts["refused"] += 1
-            time.sleep(rng.uniform(0.002, 0.02))
-            continue
-        registered = time.monotonic()
-        valid_until = sent + lease.ttl - MARGIN
-        work = rng.uniform(0.01, 0.06)
-        if registered + work >= valid_until:
-            # Came back too late to be used (a claim held up by a failover).
-            counts["late"] += 1
-            append(args.log, {"late": True, "key": key, "token": lease.token, "t": registered})
-            continue
-        enter = time.monotonic()
-        time.sleep(work)
-        leave = time.monotonic()
-        outcome, commit_started = "abandoned", leave
-        if rng.random() < args.abandon:
-            generation += 1  # as if this process died holding the lease
-        else:
-            outcome, commit_started = commit(table, lease, owner)
-        append(
-            args.log,
-            {
-                "key": key,
-                "token": lease.token,
-                "owner": owner,
-                "sent": sent,
-                "granted": granted,
-                "registered": registered,
-                "enter": enter,
-                "leave": leave,
-                "valid_until": valid_until,
-                "commit_started": commit_started,
-                "outcome": outcome,
-            },
-        )
-        time.sleep(rng.uniform(0.0, 0.005))
-    append(args.log, {"summary": True, "index": args.index, **counts})
+        contender.once()
+        time.sleep(contender.rng.uniform(0.0, 0.005))
+    contender.log({"summary": True, "index": args.index, **contender.counts})
 
 
 if __name__ == "__main__":

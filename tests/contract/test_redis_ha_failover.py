@@ -187,18 +187,30 @@ def stale_accepted(grants: list[dict[str, Any]], table: ResultTable, keys: list[
     return stale
 
 
-@pytest.mark.parametrize("wait", [0, 1], ids=["no-wait", "wait_replicas=1"])
-def test_master_sigkill_while_eight_processes_contend(
-    deployment: Deployment, pg_results: str, tmp_path: Path, wait: int
-) -> None:
-    keys = [f"failover-{i}-{uuid.uuid4().hex[:8]}" for i in range(KEYS)]
+@dataclass
+class Run:
+    rows: list[dict[str, Any]]  # every contender's log lines
+    old: RedisServer
+    new: RedisServer
+    served: list[str]  # the dead master's keys
+    started: float
+    killed: float
+    promoted: float
+
+    @property
+    def grants(self) -> list[dict[str, Any]]:
+        return [r for r in self.rows if "enter" in r]
+
+
+def _contend(d: Deployment, results: str, keys: list[str], tmp_path: Path, wait: int) -> Run:
+    """Start the contenders, SIGKILL the master once 40 grants are in, let them finish."""
     logs = [tmp_path / f"contender-{i}.log" for i in range(CLIENTS)]
-    procs = _start(deployment, pg_results, keys, logs, wait)
+    procs = _start(d, results, keys, logs, wait)
     try:
         started = time.monotonic()
         grants_in = lambda: sum("enter" in r for r in read_logs(logs)) >= 40  # noqa: E731
         wait_for(grants_in, 15, "40 grants before the kill")
-        old, new, served, killed, promoted = deployment.kill(keys)
+        old, new, served, killed, promoted = d.kill(keys)
         for p in procs:
             p.wait(DURATION + 60)
             assert p.returncode == 0, f"a contender failed ({p.returncode})"
@@ -206,17 +218,21 @@ def test_master_sigkill_while_eight_processes_contend(
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    return Run(read_logs(logs), old, new, served, started, killed, promoted)
 
-    rows = read_logs(logs)
-    grants = [r for r in rows if "enter" in r]
-    summaries = [r for r in rows if r.get("summary")]
-    assert len(summaries) == CLIENTS
+
+@pytest.mark.parametrize("wait", [0, 1], ids=["no-wait", "wait_replicas=1"])
+def test_master_sigkill_while_eight_processes_contend(
+    deployment: Deployment, pg_results: str, tmp_path: Path, wait: int
+) -> None:
+    keys = [f"failover-{i}-{uuid.uuid4().hex[:8]}" for i in range(KEYS)]
+    run = _contend(deployment, pg_results, keys, tmp_path, wait)
+    grants, killed = run.grants, run.killed
+    assert len([r for r in run.rows if r.get("summary")]) == CLIENTS
     store = LeaseStore.from_url(deployment.url, **deployment.options)
-    table = ResultTable(pg_results, store)
     try:
-        overlapping = overlaps(grants)
-        reused, decreasing = token_faults(grants, served, killed, promoted)
-        stale = stale_accepted(grants, table, keys)
+        reused, decreasing = token_faults(grants, run.served, killed, run.promoted)
+        stale = stale_accepted(grants, ResultTable(pg_results, store), keys)
     finally:
         store.close()
 
@@ -224,8 +240,8 @@ def test_master_sigkill_while_eight_processes_contend(
     assert stale == 0, f"{stale} stale results accepted"
     assert [g for g in grants if g["sent"] < killed], "no grants before the kill"
     # Grants of the dead master's keys claimed after the kill: the promoted replica's.
-    after = [g for g in grants if g["sent"] > killed and g["key"] in served]
-    refused = sum("replicas within" in r.get("error", "") for r in rows)
+    after = [g for g in grants if g["sent"] > killed and g["key"] in run.served]
+    refused = sum("replicas within" in r.get("error", "") for r in run.rows)
     recovery: float | None = None
     if wait > deployment.replicas_after:
         # No replica is left to acknowledge a grant of those keys: they stay refused
@@ -235,17 +251,31 @@ def test_master_sigkill_while_eight_processes_contend(
         assert after, "no grants of the dead master's keys after the failover"
         recovery = min(g["registered"] for g in after) - killed
         assert recovery < RECOVERY_DEADLINE
+    print(_figures(deployment, wait, run, len(after), recovery, (reused, decreasing, stale)))
+
+
+def _figures(
+    d: Deployment,
+    wait: int,
+    run: Run,
+    after: int,
+    recovery: float | None,
+    faults: tuple[int, int, int],
+) -> str:
+    summaries = [r for r in run.rows if r.get("summary")]
+    grants = run.grants
+    refused = sum("replicas within" in r.get("error", "") for r in run.rows)
     resumed = "never (no replica left)" if recovery is None else f"+{recovery:.3f}s"
     outcomes = {o: sum(g["outcome"] == o for g in grants) for o in ("accepted", "fenced", "error")}
-    print(
-        f"\n{deployment.url.split(':', 1)[0]} failover, wait_replicas={wait}: {CLIENTS} clients x "
+    return (
+        f"\n{d.url.split(':', 1)[0]} failover, wait_replicas={wait}: {CLIENTS} clients x "
         f"{KEYS} keys, TTL {TTL}s, run {DURATION}s\n"
-        f"  killed master :{old.port} at +{killed - started:.2f}s; :{new.port} promoted after "
-        f"{promoted - killed:.2f}s; first grant of its {len(served)} key(s) claimed after the "
-        f"kill: {resumed}\n"
-        f"  grants: {len(grants)} ({len(after)} of its keys after the kill); overlapping grants: "
-        f"{len(overlapping)}; reused tokens: {reused}; decreasing tokens: {decreasing}\n"
-        f"  commits: {outcomes}; stale results accepted: {stale}; store errors seen: "
+        f"  killed master :{run.old.port} at +{run.killed - run.started:.2f}s; :{run.new.port} "
+        f"promoted after {run.promoted - run.killed:.2f}s; first grant of its "
+        f"{len(run.served)} key(s) claimed after the kill: {resumed}\n"
+        f"  grants: {len(grants)} ({after} of its keys after the kill); overlapping grants: "
+        f"{len(overlaps(grants))}; reused tokens: {faults[0]}; decreasing tokens: {faults[1]}\n"
+        f"  commits: {outcomes}; stale results accepted: {faults[2]}; store errors seen: "
         f"{sum(x['errors'] for x in summaries)} ({refused} unreplicated grants refused); late "
         f"grants: {sum(x['late'] for x in summaries)}"
     )
