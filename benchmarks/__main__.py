@@ -17,7 +17,8 @@ from benchmarks.common import ROOT, Env, Section, log, machine, start_env
 
 #: module names, in the order they run and appear in BENCHMARKS.md
 BENCHMARKS = [
-    "primitives", "per_task", "round_trips", "renewal", "contention", "growth", "redis_ha",
+    "primitives", "per_task", "round_trips", "renewal", "contention", "growth", "memory",
+    "redis_ha",
 ]  # fmt: skip
 
 

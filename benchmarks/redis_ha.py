@@ -1,4 +1,4 @@
-"""7. Redis Sentinel and Cluster: lease primitives, and the cost of ``wait_replicas``."""
+"""8. Redis Sentinel and Cluster: lease primitives, and the cost of ``wait_replicas``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from benchmarks.common import (
 )
 
 NAME = "redis_ha"
-TITLE = "7. Redis Sentinel and Cluster: claim + release pairs per second"
+TITLE = "8. Redis Sentinel and Cluster: claim + release pairs per second"
 
 TTL = 30.0
 OWNER = "bench-owner:1:0123456789abcdef"

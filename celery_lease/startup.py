@@ -87,24 +87,18 @@ def _databases(cfg: Config) -> list[str]:
 
 def check_schema(app: Any, cfg: Config) -> str:
     """The results database's state for the banner; raises :class:`SchemaNotCurrent`."""
-    from alembic.util.exc import CommandError
-
     from celery_lease.sql.driver import database
-    from celery_lease.sql.migrate import check
+    from celery_lease.sql.migrate import HEAD, current
 
     state = "schema at head"
     for url in _databases(cfg):
-        if database(url).is_sqlite:
+        db = database(url)
+        if db.is_sqlite:
             if url == cfg.result_url:
                 state = "SQLite, migrated on first use"
             continue
         try:
-            check(url)
-        except CommandError as e:
-            raise SchemaNotCurrent(
-                f"the database {redact_url(url)} has no celery-lease tables or an older "
-                f"schema ({e}): run celery -A {_app_argument(app)} lease migrate"
-            ) from e
+            at = current(db)
         except StoreUnavailable as e:
             logger.warning(
                 "celery-lease: the database %s is unreachable at start (%s); the worker "
@@ -115,6 +109,18 @@ def check_schema(app: Any, cfg: Config) -> str:
             )
             if url == cfg.result_url:
                 state = "UNREACHABLE"
+            continue
+        if at is not None and at > HEAD:  # revisions are zero-padded numbers
+            raise SchemaNotCurrent(
+                f"the database {redact_url(url)} is at revision {at}, newer than this "
+                f"version of celery-lease knows ({HEAD}): upgrade celery-lease on this worker"
+            )
+        if at != HEAD:
+            raise SchemaNotCurrent(
+                f"the database {redact_url(url)} has no celery-lease tables or an older "
+                f"schema (at revision {at or 'none'}, this version needs {HEAD}): "
+                f"run celery -A {_app_argument(app)} lease migrate"
+            )
     return state
 
 

@@ -1,5 +1,10 @@
 """Alembic glue: apply, undo and check celery-lease's migrations (the
-``migrations/`` directory, shipped as ``celery_lease.migrations``)."""
+``migrations/`` directory, shipped as ``celery_lease.migrations``).
+
+Alembic is imported only to migrate or to compare a schema in full: a worker
+asks the version table which revision a database is at (:func:`current`) and
+compares it with :data:`HEAD`, so its processes never load Alembic.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,11 @@ from typing import Any
 from celery_lease.schema import VERSION_TABLE
 from celery_lease.sql.driver import Database, database
 
-__all__ = ["check", "downgrade", "ensure_schema", "migrate"]
+__all__ = ["HEAD", "check", "current", "downgrade", "ensure_schema", "migrate"]
+
+#: The newest revision in ``migrations/versions`` (tests/unit/test_schema_head.py
+#: holds the two equal).
+HEAD = "0003"
 
 
 def _alembic_config(url: str) -> Any:
@@ -58,11 +67,28 @@ def migrate(url: str, revision: str = "head", *, _database: Database | None = No
             conn.commit()
 
 
+def current(db: Database) -> str | None:
+    """The revision ``db`` is at, or None when celery-lease's migrations never ran there."""
+    from sqlalchemy import inspect, text
+
+    with db.errors(), db.engine.connect() as conn:
+        if not inspect(conn).has_table(VERSION_TABLE):
+            return None
+        row = conn.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).first()
+        return None if row is None else str(row[0])
+
+
 def ensure_schema(db: Database) -> None:
-    """SQLite only: apply the migrations on first use (the embedded default)."""
+    """SQLite only: apply the migrations on first use (the embedded default).
+
+    A database already at :data:`HEAD` is read, not migrated: Alembic stays
+    unloaded in the worker's processes (another process migrating at the same
+    moment leaves it behind, so this one then migrates too, under the file lock,
+    which Alembic makes a no-op)."""
     if db._migrated or not db.is_sqlite:
         return
-    migrate(db.url, _database=db)
+    if current(db) != HEAD:
+        migrate(db.url, _database=db)
     db._migrated = True
 
 

@@ -27,7 +27,8 @@ EXPECTED = {
     "## 4. Renewal scaling": "| leases | store | round trips per cycle |",
     "## 5. Contention: 32 processes on one key": "| store | contender | grants/s |",
     "## 6. Growth": "| configuration | live leases + results | claim p50 |",
-    "## 7. Redis Sentinel and Cluster": "| deployment | contender | pairs/s |",
+    "## 7. Memory": "| pool | contender | process | RSS at start kB |",
+    "## 8. Redis Sentinel and Cluster": "| deployment | contender | pairs/s |",
 }
 
 

@@ -134,7 +134,15 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
     def die_after_commit(self: Any, key: str, sleep: float = 0.0, tag: str = "") -> Any:
         return _body(self, key, sleep, tag, env("CL_LOG"))
 
+    @app.task(shared=False, name="leaseapp.census")
+    def census() -> dict[str, Any]:
+        """What this pool process holds of celery-lease's (tests/census.py)."""
+        from tests.census import take
+
+        return take()
+
     tasks.die_after_commit = die_after_commit
+    tasks.census = census
     tasks.bad_return = bad_return
     tasks.retry_once = retry_once
     tasks.collect = collect
@@ -194,6 +202,16 @@ def _body(task: Any, key: str, sleep: float, tag: str, log: str | None) -> dict[
         log, "end", task_id=task.request.id, key=key, token=lease.token, tag=tag, held=lease.held
     )
     return {"key": key, "token": lease.token, "tag": tag, "pid": os.getpid()}
+
+
+if os.environ.get("CL_TRACEMALLOC") == "1":
+    from celery.signals import worker_process_init
+
+    @worker_process_init.connect(weak=False)
+    def _trace(**_: Any) -> None:
+        import tracemalloc
+
+        tracemalloc.start(1)
 
 
 app, tasks = build(os.environ)
