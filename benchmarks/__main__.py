@@ -16,7 +16,10 @@ from pathlib import Path
 from benchmarks.common import ROOT, Env, Section, log, machine, start_env
 
 #: module names, in the order they run and appear in BENCHMARKS.md
-BENCHMARKS = ["primitives", "per_task", "round_trips", "renewal", "contention", "growth", "memory"]
+BENCHMARKS = [
+    "primitives", "per_task", "round_trips", "renewal", "contention", "growth", "memory",
+    "redis_ha",
+]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,11 +8,20 @@ with the setting's name, not at the first claim. Stores call them from their
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+from dataclasses import dataclass
+from urllib.parse import unquote, urlsplit
 
 from celery_lease.exceptions import LeaseConfigError
 
-__all__ = ["check_redis_url", "check_sql_url", "redact_url", "scheme_of"]
+__all__ = [
+    "RedisNodes",
+    "check_redis_url",
+    "check_sql_url",
+    "parse_cluster_url",
+    "parse_sentinel_url",
+    "redact_url",
+    "scheme_of",
+]
 
 
 def scheme_of(url: str) -> str:
@@ -73,3 +82,89 @@ def check_sql_url(name: str, url: str) -> None:
         raise LeaseConfigError(
             f"{name}: {shown} names no database (postgresql+psycopg://host/dbname)"
         )
+
+
+@dataclass(frozen=True)
+class RedisNodes:
+    """The servers a Sentinel or Cluster URL names, its database and credentials."""
+
+    addresses: tuple[tuple[str, int], ...]
+    db: int
+    username: str | None
+    password: str | None
+
+
+def parse_sentinel_url(name: str, url: str) -> RedisNodes:
+    """kombu's form: ``sentinel://[:pw@]h1:26379;sentinel://h2:26379/1``.
+
+    Each part names one sentinel (port 26379 if none); the database may end any
+    part (kombu writes it after the last), and parts that name one must agree.
+    A password in a part is the *master's* (as kombu uses it); the sentinels'
+    own credentials go in ``lease_store_options['sentinel_kwargs']``.
+    """
+    parts = [p.strip() for p in url.split(";") if p.strip()]
+    shown = redact_url(url)
+    if not parts:
+        raise LeaseConfigError(f"{name}: {shown} names no sentinel")
+    nodes = [_node(name, shown, part, "sentinel", 26379) for part in parts]
+    return _combine(name, shown, nodes)
+
+
+def parse_cluster_url(name: str, url: str) -> RedisNodes:
+    """``redis+cluster://[user:pw@]h1:7000,h2:7001[/0]`` (or ``rediss+cluster://``):
+    startup nodes, any of which tells the client the rest (port 6379 if none).
+    A Redis Cluster serves database 0 only."""
+    shown = redact_url(url)
+    scheme, rest = url.split("://", 1)
+    netloc, slash, path = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    prefix = f"{scheme}://{userinfo}{at}"
+    nodes = [
+        _node(name, shown, f"{prefix}{h}/{path}" if slash else f"{prefix}{h}", scheme, 6379)
+        for h in hosts.split(",")
+    ]
+    parsed = _combine(name, shown, nodes)
+    if parsed.db != 0:
+        raise LeaseConfigError(f"{name}: {shown}: a Redis Cluster has database 0 only")
+    return parsed
+
+
+def _node(
+    name: str, shown: str, part: str, scheme: str, port: int
+) -> tuple[str, int, int | None, str | None, str | None]:
+    if scheme_of(part) != scheme.lower():
+        raise LeaseConfigError(f"{name}: every part of {shown} must start with {scheme}://")
+    try:
+        split = urlsplit(part)
+        node_port = split.port or port
+    except ValueError as e:
+        raise LeaseConfigError(f"{name}: cannot parse {shown}: {e}") from e
+    if not split.hostname:
+        raise LeaseConfigError(f"{name}: {shown} has a part naming no host")
+    if split.query or split.fragment:
+        raise LeaseConfigError(
+            f"{name}: {shown}: client options go in lease_store_options, not the URL's query"
+        )
+    path = split.path.strip("/")
+    if path and not path.isdigit():
+        raise LeaseConfigError(
+            f"{name}: the path of {shown} must be a Redis database number, got {path!r}"
+        )
+    password = unquote(split.password) if split.password is not None else None
+    user = unquote(split.username) if split.username else None
+    return split.hostname, node_port, int(path) if path else None, user, password
+
+
+def _combine(
+    name: str, shown: str, nodes: list[tuple[str, int, int | None, str | None, str | None]]
+) -> RedisNodes:
+    dbs = {db for _, _, db, _, _ in nodes if db is not None}
+    if len(dbs) > 1:
+        raise LeaseConfigError(f"{name}: {shown} names different databases {sorted(dbs)}")
+    user, password = next(((u, p) for _, _, _, u, p in nodes if p is not None), (None, None))
+    return RedisNodes(
+        tuple((host, port) for host, port, _, _, _ in nodes),
+        dbs.pop() if dbs else 0,
+        user,
+        password,
+    )

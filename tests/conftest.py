@@ -3,6 +3,8 @@
 Session-scoped servers (started lazily, only when a test asks for them):
 
 * ``redis_server``    -- ``RedisServer``, AOF on, ``appendfsync always``
+* ``redis_sentinel``  -- ``SentinelDeployment``: master, 2 replicas, 3 sentinels
+* ``redis_cluster``   -- ``ClusterDeployment``: 3 masters, 3 replicas
 * ``pg_server``       -- ``PostgresServer``, a private cluster
 * ``rabbitmq_server`` -- ``RabbitMQServer``, a private node
 
@@ -13,6 +15,8 @@ Per-test / per-module handles on them:
 * ``pg_url``     (module)   -- ``postgresql+psycopg://...`` for a fresh
   database ``test_<module>_<rand>`` created for the test module
 * ``sqlite_url`` (function) -- ``sqlite:////<tmp_path>/lease.sqlite3``
+* ``sentinel_url`` / ``cluster_url`` (function) -- the shared deployments,
+  emptied (``master_name``: ``tests.redis_ha.SENTINEL_MASTER``)
 
 Tests that stop, kill or pause a server must not do it to the shared
 session servers; they take their own from ``make_redis_server`` /
@@ -34,6 +38,7 @@ from typing import Any, Literal
 
 import pytest
 
+from tests.redis_ha import SENTINEL_MASTER, ClusterDeployment, SentinelDeployment
 from tests.servers import (
     PostgresServer,
     RabbitMQServer,
@@ -95,6 +100,10 @@ _FIXTURE_MARKERS = {
     "redis_server": "redis",
     "redis_url": "redis",
     "make_redis_server": "redis",
+    "redis_sentinel": "redis",
+    "sentinel_url": "redis",
+    "redis_cluster": "redis",
+    "cluster_url": "redis",
     "pg_server": "postgres",
     "pg_url": "postgres",
     "make_pg_server": "postgres",
@@ -187,6 +196,45 @@ def redis_url(redis_server: RedisServer) -> str:
     db = next(_redis_db_numbers)
     redis_server.flushdb(db)
     return redis_server.url(db)
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(servers_tmpdir: Path) -> Iterator[SentinelDeployment]:
+    """One master, two replicas, three sentinels (tests/redis_ha.py), shared by the
+    session: tests must not kill its nodes (they make their own deployment)."""
+    deployment = SentinelDeployment(servers_tmpdir, master_name=SENTINEL_MASTER)
+    try:
+        yield deployment.start()
+    finally:
+        deployment.stop()
+
+
+_sentinel_db_numbers = itertools.cycle(range(1, RedisServer.databases))
+
+
+@pytest.fixture
+def sentinel_url(redis_sentinel: SentinelDeployment) -> str:
+    """``sentinel://...;.../N`` of the shared deployment: a database of its own, emptied."""
+    db = next(_sentinel_db_numbers)
+    redis_sentinel.master().flushdb(db)
+    return redis_sentinel.url(db)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(servers_tmpdir: Path) -> Iterator[ClusterDeployment]:
+    """Three masters, three replicas (tests/redis_ha.py), shared by the session."""
+    deployment = ClusterDeployment(servers_tmpdir)
+    try:
+        yield deployment.start()
+    finally:
+        deployment.stop()
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: ClusterDeployment) -> str:
+    """``redis+cluster://...`` of the shared cluster, every master emptied."""
+    redis_cluster.flush()
+    return redis_cluster.url()
 
 
 @pytest.fixture

@@ -30,10 +30,16 @@ from redis.cluster import RedisCluster
 
 from tests.servers import LOOPBACK, RedisServer, wait_for
 
-__all__ = ["ClusterDeployment", "SentinelDeployment", "SentinelServer"]
+__all__ = ["SENTINEL_MASTER", "ClusterDeployment", "SentinelDeployment", "SentinelServer"]
+
+#: The name the deployments' sentinels monitor their master under
+#: (the store's ``master_name`` option).
+SENTINEL_MASTER = "leases"
 
 #: seconds a replica link, a sentinel's view or the cluster may take to settle
 SETTLE = 30.0
+#: Any node may become a master: none waits the default 5 s before a replica's sync.
+NO_DELAY = ["--repl-diskless-sync-delay", "0"]
 
 
 def _client(port: int) -> redis.Redis:
@@ -123,20 +129,20 @@ class SentinelDeployment:
         self,
         tmpdir: str | os.PathLike[str],
         *,
-        master_name: str = "leases",
+        master_name: str = SENTINEL_MASTER,
         replicas: int = 2,
         sentinels: int = 3,
     ) -> None:
         self.tmpdir = Path(tmpdir)
         self.master_name = master_name
-        self.nodes: list[RedisServer] = [RedisServer(tmpdir, appendonly=False)]
+        self.nodes: list[RedisServer] = [RedisServer(tmpdir, appendonly=False, extra_args=NO_DELAY)]
         primary = self.nodes[0].port
         for _ in range(replicas):
             self.nodes.append(
                 RedisServer(
                     tmpdir,
                     appendonly=False,
-                    extra_args=["--replicaof", LOOPBACK, str(primary)],
+                    extra_args=[*NO_DELAY, "--replicaof", LOOPBACK, str(primary)],
                 )
             )
         self.sentinels = [
@@ -225,6 +231,7 @@ class ClusterDeployment:
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", str(node.data_dir / "nodes.conf"),
                 "--cluster-node-timeout", "1000",
+                *NO_DELAY,
                 # a cluster holds database 0 only
                 "--databases", "1",
             ]  # fmt: skip
@@ -298,6 +305,16 @@ class ClusterDeployment:
     @property
     def startup_nodes(self) -> list[tuple[str, int]]:
         return [(LOOPBACK, n.port) for n in self.nodes]
+
+    def url(self) -> str:
+        """The store's form: ``redis+cluster://h:p,h:p,...`` (every node a startup node)."""
+        return "redis+cluster://" + ",".join(f"{h}:{p}" for h, p in self.startup_nodes)
+
+    def flush(self) -> None:
+        """Empty every master (database 0, the only one)."""
+        for port in self.masters():
+            with _client(port) as c:
+                c.flushdb()
 
     def client(self, **kwargs: Any) -> RedisCluster:
         return RedisCluster(host=LOOPBACK, port=self.nodes[0].port, **kwargs)

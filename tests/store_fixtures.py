@@ -11,25 +11,36 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import celery_lease
 from celery_lease import LeaseRecord, LeaseStore
+from tests.redis_ha import SENTINEL_MASTER
 from tests.servers import wait_for
 
 __all__ = [
     "ALL_STORE_KINDS",
     "CLIENT",
     "CONTRACT_STORE_KINDS",
+    "HA_STORE_KINDS",
     "PYTHON",
     "STORE_KINDS",
     "client_env",
     "new_key",
+    "open_store",
+    "store_options",
     "store_url",
+    "tagged_keys",
     "wait_for",
     "wait_until_expired",
 ]
+
+#: Redis as run past one server (tests/redis_ha.py): Sentinel and Cluster, for the
+#: contract suites; "sentinel-wait", the same Sentinel store with wait_replicas=2,
+#: only with --slow (the default suite keeps to its time budget).
+HA_STORE_KINDS = ("sentinel", pytest.param("sentinel-wait", marks=pytest.mark.slow), "cluster")
 
 #: The three stores every suite runs against.
 STORE_KINDS = ("redis", "postgres", "sqlite")
@@ -39,7 +50,7 @@ ALL_STORE_KINDS = (*STORE_KINDS, pytest.param("etcd", marks=pytest.mark.etcd))
 #: Those and celery_lease.testing's in-memory store, for the contract suite: it
 #: must keep the same contract as the real stores (that it does proves nothing
 #: about them; it is there so users' unit tests see a store that behaves alike).
-CONTRACT_STORE_KINDS = (*ALL_STORE_KINDS, "memory")
+CONTRACT_STORE_KINDS = (*ALL_STORE_KINDS, "memory", *HA_STORE_KINDS)
 
 #: The subprocess client (run as a script, so it needs no ``tests`` package).
 CLIENT = str(Path(__file__).with_name("lease_client.py"))
@@ -59,6 +70,10 @@ def store_url(request: pytest.FixtureRequest, kind: str) -> str:
             _migrated.add(url)
     elif kind == "sqlite":
         url = request.getfixturevalue("sqlite_url")
+    elif kind in ("sentinel", "sentinel-wait"):
+        url = request.getfixturevalue("sentinel_url")
+    elif kind == "cluster":
+        url = request.getfixturevalue("cluster_url")
     elif kind == "etcd":
         url = request.getfixturevalue("etcd_url")
     elif kind == "memory":
@@ -73,9 +88,31 @@ def store_url(request: pytest.FixtureRequest, kind: str) -> str:
     return url
 
 
+def store_options(url: str, kind: str = "") -> dict[str, Any]:
+    """``lease_store_options`` a test deployment needs beyond its URL."""
+    options: dict[str, Any] = {}
+    if url.startswith("sentinel://"):
+        options["master_name"] = SENTINEL_MASTER
+    if kind.endswith("-wait"):
+        options.update(wait_replicas=2, wait_timeout_ms=2000)
+    return options
+
+
+def open_store(url: str, kind: str = "") -> LeaseStore:
+    """``LeaseStore.from_url(url)`` with the options of :func:`store_options`."""
+    return LeaseStore.from_url(url, **store_options(url, kind))
+
+
 def new_key(prefix: str = "k") -> str:
     """A key no other test uses."""
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def tagged_keys(*names: str) -> list[str]:
+    """Fresh keys sharing one Redis Cluster hash slot (``{tag}:name-...``), as a
+    multi-key claim on a Cluster needs; on every other store, just keys."""
+    tag = uuid.uuid4().hex[:8]
+    return [f"{{{tag}}}:{name}-{uuid.uuid4().hex[:8]}" for name in names]
 
 
 def wait_until_expired(

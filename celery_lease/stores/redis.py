@@ -30,6 +30,12 @@ script cache), sent by :mod:`celery_lease.stores.redis_transport` on
 connections it keeps checked out of the redis-py client's pool, not through
 ``Script``/``execute_command``, whose per-command machinery costs more than
 the round trip; ``list`` and the plain commands use the client as usual.
+
+The same store serves Redis Sentinel (:mod:`celery_lease.stores.redis_sentinel`:
+another client from :meth:`RedisLeaseStore.make_client`) and Redis Cluster
+(:mod:`celery_lease.stores.redis_cluster`: another transport). Any of them
+takes the opt-in replication wait (:mod:`celery_lease.stores.redis_wait`):
+``WAIT`` in the same round trip as each claim and renewal.
 """
 
 from __future__ import annotations
@@ -58,9 +64,19 @@ from celery_lease.stores.base import (
 )
 from celery_lease.stores.redis_scripts import CLAIM, EVICT, INSPECT, RELEASE, RENEW
 from celery_lease.stores.redis_transport import ScriptTransport, server_reply
+from celery_lease.stores.redis_wait import WaitPolicy, wait_policy
 from celery_lease.urls import check_redis_url
 
-__all__ = ["CLAIM", "EVICT", "INSPECT", "RELEASE", "RENEW", "RedisLeaseStore", "server_reply"]
+__all__ = [
+    "CLAIM",
+    "EVICT",
+    "INSPECT",
+    "RELEASE",
+    "RENEW",
+    "RedisLeaseStore",
+    "check_cert_files",
+    "server_reply",
+]
 
 #: Bytes redis-py asks the socket for per read (its ``socket_read_size``): a
 #: bytes object of this size plus its 33-byte header stays within the 512 bytes
@@ -83,15 +99,13 @@ class RedisLeaseStore(LeaseStore):
             return
         check_option_names(options)
         refuse_key_prefix_option(options)
-        for option in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path"):
-            path = options.get(option)
-            if path is not None and not (isinstance(path, str) and os.path.exists(path)):
-                raise LeaseConfigError(f"lease_store_options[{option!r}]: no such file {path!r}")
+        check_cert_files(options)
         cls(url, **cls.options_from_settings(options, key_prefix)).close()
 
     def __init__(self, url: str, key_prefix: str = "celery-lease", **options: Any) -> None:
         self.url = url
         self.prefix = key_prefix
+        self.wait: WaitPolicy | None = wait_policy(options)
         options.setdefault("socket_timeout", 5.0)
         options.setdefault("socket_connect_timeout", 5.0)
         # redis-py receives into a fresh bytes object of this size and shrinks it
@@ -103,7 +117,7 @@ class RedisLeaseStore(LeaseStore):
         # allocator (up to 512 bytes) and a large reply just takes more reads.
         options.setdefault("socket_read_size", SOCKET_READ_SIZE)
         try:
-            self.client: redis.Redis = redis.Redis.from_url(url, **options)
+            self.client: redis.Redis = self.make_client(url, options)
             # redis-py connects lazily: build one connection object (no I/O) so an
             # unknown option or a bad ssl_cert_reqs fails here, not at the first claim.
             pool = self.client.connection_pool
@@ -124,6 +138,10 @@ class RedisLeaseStore(LeaseStore):
         self._run: Callable[[Script, builtins.list[str], builtins.list[Any]], Any] = (
             self.transport.run
         )
+
+    def make_client(self, url: str, options: dict[str, Any]) -> redis.Redis:
+        """The redis-py client for ``url`` (no I/O: redis-py connects on first use)."""
+        return redis.Redis.from_url(url, **options)
 
     # -- key names ---------------------------------------------------------
 
@@ -181,30 +199,76 @@ class RedisLeaseStore(LeaseStore):
         args: builtins.list[Any] = [owner_id, ms]
         if meta:
             args += [meta.get(f, "") for f in META_FIELDS]
+        wait = self.wait
         try:
-            reply = self._run(self._claim, names, args)
+            if wait is None:
+                reply = self._run(self._claim, names, args)
+            else:
+                reply, acked = self.transport.run_waited(
+                    self._claim, names, args, wait.replicas, wait.timeout_ms
+                )
         except RedisError as e:
             raise self._translate(e) from e
         if reply[0] != 1:
             return None
         now = int(reply[2])
-        return Lease(
+        lease = Lease(
             primary, keys, owner_id, int(reply[1]), (now + ms * 1000) / 1e6, now / 1e6, ttl, meta
+        )
+        if wait is not None and acked < wait.replicas:
+            self._unreplicated_grant(wait, lease, acked)
+        return lease
+
+    def _unreplicated_grant(self, wait: WaitPolicy, lease: Lease, acked: int) -> None:
+        """A grant fewer replicas acknowledged than asked: warn, or give it back and
+        raise (a failover now could hand the key to another owner)."""
+        what = f"the grant of {lease.key!r} (token {lease.token})"
+        if not wait.release:
+            wait.warn(what, acked)
+            return
+        try:
+            self.do_release(lease)
+        except StoreUnavailable:
+            pass  # then it lapses at its TTL; the claim is refused either way
+        raise StoreUnavailable(
+            f"Redis {redact_url(self.url)}: {wait.describe(what, acked)}; released"
         )
 
     def do_renew_many(
         self, leases: builtins.list[Lease], ttls: builtins.list[float]
     ) -> builtins.list[float | None]:
+        names, args = self.renew_call(leases, ttls)
+        wait = self.wait
+        try:
+            if wait is None:
+                reply = self._run(self._renew, names, args)
+            else:
+                reply, acked = self.transport.run_waited(
+                    self._renew, names, args, wait.replicas, wait.timeout_ms
+                )
+        except RedisError as e:
+            raise self._translate(e) from e
+        if wait is not None and acked < wait.replicas:
+            self.unreplicated_renewal(wait, len(leases), acked)
+        return [None if int(r) == 0 else _s(r) for r in reply]
+
+    def renew_call(
+        self, leases: builtins.list[Lease], ttls: builtins.list[float]
+    ) -> tuple[builtins.list[str], builtins.list[Any]]:
+        """RENEW's keys and arguments for ``leases`` (see redis_scripts.RENEW)."""
         names: builtins.list[str] = []
-        args: builtins.list[str | int] = [len(leases)]
+        args: builtins.list[Any] = [len(leases)]
         for lease, ttl in zip(leases, ttls):
             names.extend(self.lease_name(k) for k in lease.keys)
             args.extend([len(lease.keys), lease.owner_id, str(lease.token), _ms(ttl)])
-        try:
-            reply = self._run(self._renew, names, args)
-        except RedisError as e:
-            raise self._translate(e) from e
-        return [None if int(r) == 0 else _s(r) for r in reply]
+        return names, args
+
+    def unreplicated_renewal(self, wait: WaitPolicy, count: int, acked: int) -> None:
+        what = f"the renewal of {count} lease(s)"
+        if wait.release:
+            # The holder keeps its last replicated expiry; the renewer retries.
+            raise StoreUnavailable(f"Redis {redact_url(self.url)}: {wait.describe(what, acked)}")
+        wait.warn(what, acked)
 
     def do_release(self, lease: Lease) -> bool:
         keys = lease.keys
@@ -317,6 +381,15 @@ class RedisLeaseStore(LeaseStore):
         if isinstance(e, (RedisConnectionError, RedisTimeoutError)):
             return StoreUnavailable(f"Redis {url} unavailable: {reply}")
         return LeaseError(f"Redis {url}: {reply}")
+
+
+def check_cert_files(options: Mapping[str, Any], within: str = "") -> None:
+    """The TLS files named in ``options`` exist (``within``: the nested option's name)."""
+    for option in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path"):
+        path = options.get(option)
+        if path is not None and not (isinstance(path, str) and os.path.exists(path)):
+            where = f"[{within!r}]" if within else ""
+            raise LeaseConfigError(f"lease_store_options{where}[{option!r}]: no such file {path!r}")
 
 
 #: The error replies that mean "not now" (StoreUnavailable: the caller retries

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from celery_lease.stores.base import MAX_TTL
 
-__all__ = ["CLAIM", "EVICT", "INSPECT", "MAX_TTL_MS", "RELEASE", "RENEW"]
+__all__ = ["CLAIM", "EVICT", "INSPECT", "MARK", "MAX_TTL_MS", "RELEASE", "RENEW"]
 
 #: The longest TTL the scripts accept, in ms. They check every TTL before their
 #: first write: a value PEXPIRE refuses (past 2**63 ms), or one that makes the
@@ -180,4 +180,23 @@ if now > c then c = now end
 local s = string.format('%.0f', c)
 redis.call('SET', KEYS[2], s)
 return s
+"""
+
+# MARK: set an internal marker unless another owner's live marker is there
+# (the Redis Cluster store's; the others compare-and-set with WATCH, which a
+# Cluster client does not offer).
+# KEYS: the marker
+# ARGV: owner_id, ttl_ms, then the owners whose live marker may be replaced
+# Returns 1 if set, 0 if another owner's marker stays.
+MARK = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then
+  local ok = false
+  for i = 3, #ARGV do
+    if cur == ARGV[i] then ok = true end
+  end
+  if not ok then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
 """

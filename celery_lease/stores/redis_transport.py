@@ -8,7 +8,7 @@ its socket poll, retry closure, observability hooks, ``Script.__call__``) costs
 more per call than the round trip itself.
 
 This is the one module that uses redis-py below its public command API
-(``Connection.pack_command``/``send_packed_command``/``read_response``/
+(``Connection.pack_command``/``pack_commands``/``send_packed_command``/``read_response``/
 ``disconnect``/``retry``, ``ConnectionPool.get_connection``/``release``) or
 reads details that changed between redis-py versions (``get_connection``'s
 ``command_name``, an error's ``status_code``). ``tests/contract/test_redis_transport.py``
@@ -75,7 +75,37 @@ class ScriptTransport:
             return script(keys=keys, args=args)
         return self.execute((b"EVALSHA", script.sha, len(keys), *keys, *args), script)
 
-    def execute(self, command: tuple[Any, ...], script: Script | None = None) -> Any:
+    def run_waited(
+        self,
+        script: Script,
+        keys: builtins.list[str],
+        args: builtins.list[Any],
+        replicas: int,
+        timeout_ms: int,
+    ) -> tuple[Any, int]:
+        """EVALSHA ``script`` and ``WAIT replicas timeout_ms`` in one round trip:
+        the script's reply and how many replicas acknowledged its writes.
+
+        WAIT cannot run inside a script, so it follows it on the same
+        connection, written in the same packet: it waits for the script's writes.
+        """
+        wait = (b"WAIT", replicas, timeout_ms)
+        if not self.direct:
+            with self.client.pipeline(transaction=False) as pipe:
+                script(keys=keys, args=args, client=pipe)
+                pipe.execute_command(*wait)  # type: ignore[no-untyped-call]
+                reply, acked = pipe.execute()
+            return reply, int(acked)
+        command = (b"EVALSHA", script.sha, len(keys), *keys, *args)
+        reply, acked = self.execute(command, script, then=wait)
+        return reply, int(acked)
+
+    def execute(
+        self,
+        command: tuple[Any, ...],
+        script: Script | None = None,
+        then: tuple[Any, ...] | None = None,
+    ) -> Any:
         """Send ``command`` on a kept connection and return its raw reply.
 
         Like redis-py: a connection that fails mid-command is disconnected (the
@@ -88,6 +118,9 @@ class ScriptTransport:
         store sends here is safe to repeat: a repeated claim re-grants the same
         owner, a repeated release or renewal finds its own work done, an evict
         advances the fence again, the rest only read.
+
+        With ``then``, that command is written in the same packet and the
+        answer is the pair of replies.
         """
         if self._pid != os.getpid():  # forked: the parent's sockets are not ours
             self._idle = []
@@ -99,9 +132,13 @@ class ScriptTransport:
 
         def attempt() -> Any:
             try:
-                return _roundtrip(conn, command, script)
+                return _roundtrip(conn, command, script, then)
             except RedisConnectionError:  # closed while idle: once more, reconnected
-                return _roundtrip(conn, command, script)
+                # connect() explicitly: a Sentinel connection asks the sentinels for
+                # the master there, while the reconnect inside a send (redis-py 8)
+                # goes back to the address it had, the dead master's after a failover.
+                conn.connect()
+                return _roundtrip(conn, command, script, then)
 
         try:
             return conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
@@ -154,25 +191,26 @@ def server_reply(e: RedisError) -> tuple[str | None, str]:
     return None, str(e)
 
 
-def _roundtrip(conn: Any, command: tuple[Any, ...], script: Script | None) -> Any:
-    """Send ``command`` on ``conn`` and read its reply (EVAL if the server lacks ``script``).
+def _roundtrip(
+    conn: Any, command: tuple[Any, ...], script: Script | None, then: tuple[Any, ...] | None
+) -> Any:
+    """Send ``command`` (and ``then``) on ``conn`` and read the reply (EVAL if the
+    server lacks ``script``).
 
     Anything but a server's error reply leaves the connection disconnected, so a
     reply can never be left unread for the next command on it (redis-py's own
     send and read already do this for their errors; this covers the rest, such
     as a soft time limit raised between them).
     """
-    replied = False  # a whole reply (or error reply) read: the connection stays usable
+    replied = False  # every reply (or error reply) read: the connection stays usable
     try:
-        conn.send_packed_command(conn.pack_command(*command))
         try:
-            reply = conn.read_response()
+            reply = _send(conn, command, then)
         except NoScriptError:
             if script is None:
                 replied = True
                 raise
-            conn.send_packed_command(conn.pack_command(b"EVAL", script.script, *command[2:]))
-            reply = conn.read_response()
+            reply = _send(conn, (b"EVAL", script.script, *command[2:]), then)
         replied = True
         return reply
     except ResponseError:
@@ -181,3 +219,16 @@ def _roundtrip(conn: Any, command: tuple[Any, ...], script: Script | None) -> An
     finally:
         if not replied:
             conn.disconnect()
+
+
+def _send(conn: Any, command: tuple[Any, ...], then: tuple[Any, ...] | None) -> Any:
+    if then is None:
+        conn.send_packed_command(conn.pack_command(*command))
+        return conn.read_response()
+    conn.send_packed_command(conn.pack_commands([command, then]))
+    try:
+        first = conn.read_response()
+    except ResponseError:
+        conn.read_response()  # the second reply, so that none is left unread
+        raise
+    return first, conn.read_response()

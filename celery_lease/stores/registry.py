@@ -25,17 +25,22 @@ __all__ = ["ALIASES", "ENTRY_POINT_GROUP", "is_sql_url", "known_schemes", "store
 ENTRY_POINT_GROUP = "celery_lease.stores"
 
 _REDIS = "celery_lease.stores.redis:RedisLeaseStore"
+_SENTINEL = "celery_lease.stores.redis_sentinel:SentinelLeaseStore"
+_CLUSTER = "celery_lease.stores.redis_cluster:ClusterLeaseStore"
 _SQL = "celery_lease.stores.sql:SQLLeaseStore"
 _ETCD = "celery_lease.stores.etcd:EtcdLeaseStore"
 
 #: The extra that brings each built-in store's driver.
-_EXTRAS = {_REDIS: "redis", _SQL: "postgres", _ETCD: "etcd"}
+_EXTRAS = {_REDIS: "redis", _SENTINEL: "redis", _CLUSTER: "redis", _SQL: "postgres", _ETCD: "etcd"}
 
 #: Built-in schemes, in the order errors list them.
 ALIASES: dict[str, str] = {
     "redis": _REDIS,
     "rediss": _REDIS,
     "unix": _REDIS,
+    "sentinel": _SENTINEL,
+    "redis+cluster": _CLUSTER,
+    "rediss+cluster": _CLUSTER,
     "sqlite": _SQL,
     "postgresql": _SQL,
     "postgres": _SQL,

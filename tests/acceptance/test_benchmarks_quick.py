@@ -28,6 +28,7 @@ EXPECTED = {
     "## 5. Contention: 32 processes on one key": "| store | contender | grants/s |",
     "## 6. Growth": "| configuration | live leases + results | claim p50 |",
     "## 7. Memory": "| pool | contender | process | RSS at start kB |",
+    "## 8. Redis Sentinel and Cluster": "| deployment | contender | pairs/s |",
 }
 
 

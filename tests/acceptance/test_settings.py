@@ -229,7 +229,7 @@ CONFIG_ERRORS: list[tuple[dict[str, Any], str]] = [
     (
         {"lease_store_url": "mongodb://x"},
         r"lease_store_url: unknown URL scheme 'mongodb' in 'mongodb://x'; known: redis, rediss, "
-        r"unix, sqlite, postgresql",
+        r"unix, sentinel, redis\+cluster, rediss\+cluster, sqlite, postgresql",
     ),
     (
         {"lease_store_url": "localhost:6379"},

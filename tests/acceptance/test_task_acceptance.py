@@ -38,6 +38,7 @@ Backend states are read uncached (``get_task_meta(cache=False)``): a client's
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import sqlite3
@@ -100,9 +101,11 @@ class Cluster:
         results_url: str,
         ttl: float,
         vt: float | None = None,
+        store_options: dict[str, Any] | None = None,
     ) -> None:
         self.logdir = logdir
         self.store_url = store_url
+        self.store_options = store_options or {}
         self.results_url = results_url
         self.ttl = ttl
         self.exec_log = logdir / f"exec-{uuid.uuid4().hex[:8]}.log"
@@ -116,6 +119,8 @@ class Cluster:
         }
         if vt is not None:
             self.env["CL_VT"] = str(vt)
+        if self.store_options:
+            self.env["CL_SETTINGS"] = json.dumps({"lease_store_options": self.store_options})
         self.app, self.tasks = build(self.env)
         self.workers: list[Worker] = []
         self._store: LeaseStore | None = None
@@ -147,7 +152,7 @@ class Cluster:
     @property
     def store(self) -> LeaseStore:
         if self._store is None:
-            self._store = LeaseStore.from_url(self.store_url)
+            self._store = LeaseStore.from_url(self.store_url, **self.store_options)
         return self._store
 
     @property

@@ -1,7 +1,9 @@
 """The lease-store contract (celery_lease/stores/base.py), proved on real servers.
 
 One suite, parametrized over the four stores: Redis (the session's private
-server), PostgreSQL (the session's private cluster, a database per module),
+server, and Redis as run past one server: the session's Sentinel deployment,
+with and without ``wait_replicas``, and its Cluster, tests/redis_ha.py),
+PostgreSQL (the session's private cluster, a database per module),
 SQLite (a file under the test's tmp_path) and etcd (the session's private
 3-member cluster, tests/etcd_cluster.py); and over celery_lease.testing's
 in-memory store (its real-time clock), which users' unit tests stand on and
@@ -42,7 +44,9 @@ from tests.inflight import gate
 from tests.store_fixtures import (
     CONTRACT_STORE_KINDS,
     new_key,
+    open_store,
     store_url,
+    tagged_keys,
     wait_for,
     wait_until_expired,
 )
@@ -55,8 +59,13 @@ C = "worker-c:3:cccc"
 
 
 @pytest.fixture(params=CONTRACT_STORE_KINDS)
-def store(request: pytest.FixtureRequest) -> Iterator[LeaseStore]:
-    s = LeaseStore.from_url(store_url(request, request.param))
+def store_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def store(request: pytest.FixtureRequest, store_kind: str) -> Iterator[LeaseStore]:
+    s = open_store(store_url(request, store_kind), store_kind)
     try:
         yield s
     finally:
@@ -64,9 +73,9 @@ def store(request: pytest.FixtureRequest) -> Iterator[LeaseStore]:
 
 
 @pytest.fixture
-def other_store(store: LeaseStore) -> Iterator[LeaseStore]:
+def other_store(store: LeaseStore, store_kind: str) -> Iterator[LeaseStore]:
     """A second handle on the same store, as another process would have."""
-    s = LeaseStore.from_url(store.url)
+    s = open_store(store.url, store_kind)
     try:
         yield s
     finally:
@@ -370,7 +379,7 @@ def test_held_lease_is_lost_when_another_owner_evicts_it(
 
 
 def test_multi_key_claims_are_all_or_nothing(store: LeaseStore) -> None:
-    k1, k2, k3 = (new_key(p) for p in ("m1", "m2", "m3"))
+    k1, k2, k3 = tagged_keys("m1", "m2", "m3")
     busy = claim_ok(store, k2, B)
     fences = {k: store.fence_token(k) for k in (k1, k3)}
 
@@ -405,7 +414,7 @@ def test_renew_many_answers_per_lease(store: LeaseStore, other_store: LeaseStore
     live = claim_ok(store, new_key("live"), A, ttl=10)
     released = claim_ok(store, new_key("rel"), A, ttl=10)
     evicted = claim_ok(store, new_key("ev"), A, ttl=10)
-    multi = claim_ok(store, [new_key("mx"), new_key("my")], A, ttl=10)
+    multi = claim_ok(store, tagged_keys("mx", "my"), A, ttl=10)
     stolen = claim_ok(store, new_key("st"), A, ttl=10)
     assert store.release(released)
     assert other_store.evict(evicted.key) is not None
@@ -604,7 +613,10 @@ def test_a_renewal_in_flight_never_extends_a_lease_ended_meanwhile(
     tag = new_key("")[1:]
 
     def keys(name: str) -> str | list[str]:
-        return f"{name}-{tag}" if nkeys == 1 else [f"{name}-{tag}-{i}" for i in range(nkeys)]
+        # One hash tag per lease: a multi-key lease on a Redis Cluster needs one slot.
+        if nkeys == 1:
+            return f"{name}-{tag}"
+        return [f"{{{name}-{tag}}}:{i}" for i in range(nkeys)]
 
     # Named and listed so the gated lease comes first: PostgreSQL locks the rows
     # of multi-key leases in key order, the others in the order named.
@@ -659,7 +671,7 @@ def test_multi_key_renewal_after_one_key_is_lost_extends_no_key(
 ) -> None:
     """A multi-key lease renews as a unit: once one key is gone, the renewal
     answers lost and leaves every key's expiry where it was."""
-    k1, k2, k3 = (new_key(p) for p in ("ma", "mb", "mc"))
+    k1, k2, k3 = tagged_keys("ma", "mb", "mc")
     lease = claim_ok(store, [k1, k2, k3], A, ttl=10)
     assert other_store.evict(k2) is not None
     taker = claim_ok(other_store, k2, B, ttl=10) if how == "taken-over" else None

@@ -23,7 +23,7 @@ from celery_lease import LeaseConfigError, LeaseStore
 from celery_lease.stores.base import MAX_TTL
 from tests.contract.test_store_contract import A, B, claim_ok, resolution, state
 from tests.etcd_cluster import etcd_cluster, etcd_url  # noqa: F401 - fixtures
-from tests.store_fixtures import ALL_STORE_KINDS, new_key, store_url
+from tests.store_fixtures import ALL_STORE_KINDS, HA_STORE_KINDS, new_key, open_store, store_url
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,9 +32,9 @@ pytestmark = pytest.mark.timeout(60)
 TOO_LONG = (MAX_TTL + 1, 1e11, 1e16)
 
 
-@pytest.fixture(params=ALL_STORE_KINDS)
+@pytest.fixture(params=(*ALL_STORE_KINDS, *HA_STORE_KINDS))
 def store(request: pytest.FixtureRequest) -> Iterator[LeaseStore]:
-    s = LeaseStore.from_url(store_url(request, request.param))
+    s = open_store(store_url(request, request.param), request.param)
     try:
         yield s
     finally:
