@@ -29,8 +29,8 @@ from tests.workers import Worker
 
 pytestmark = pytest.mark.timeout(300)
 
-WARM_UP = 200
-STRETCH = 1_000
+WARM_UP = 150
+STRETCH = 600
 #: bytes a stretch may add to celery-lease's traced allocations: far below one
 #: byte per task, well above the few free-list blocks a run leaves behind
 TRACED_SLACK = 1_024
