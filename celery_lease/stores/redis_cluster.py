@@ -109,13 +109,19 @@ class ClusterTransport:
         (``WAIT`` last in each): the replies in order, and the fewest replicas any
         node's WAIT counted (0 without ``wait``)."""
         cluster = self.store.client
-        by_node: dict[ClusterNode, builtins.list[int]] = {}
+        # Grouped by the node's name ("host:port"): ClusterNode is not hashable
+        # in redis-py 5.
+        nodes: dict[str, ClusterNode] = {}
+        by_node: dict[str, builtins.list[int]] = {}
         replies: builtins.list[Any] = [None] * len(calls)
         acked: int | None = None
         try:
             for i, (_, keys, _) in enumerate(calls):
-                by_node.setdefault(cluster.get_node_from_key(keys[0]), []).append(i)  # type: ignore[no-untyped-call]
-            for node, indexes in by_node.items():
+                node = cluster.get_node_from_key(keys[0])  # type: ignore[no-untyped-call]
+                nodes.setdefault(node.name, node)
+                by_node.setdefault(node.name, []).append(i)
+            for name, indexes in by_node.items():
+                node = nodes[name]
                 got, node_acked = self._on_node(cluster, node, [calls[i] for i in indexes], wait)
                 for i, reply in zip(indexes, got):
                     replies[i] = reply

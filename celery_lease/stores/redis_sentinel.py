@@ -76,7 +76,13 @@ class SentinelLeaseStore(RedisLeaseStore):
             if nodes.username:
                 options.setdefault("username", nodes.username)
         if sentinel_kwargs is None:
-            sentinel_kwargs = {k: v for k, v in options.items() if k.startswith("socket_")}
+            # The master's timeouts; not its read size, which redis-py 5's client
+            # constructor (what Sentinel builds for each sentinel) does not take.
+            sentinel_kwargs = {
+                k: v
+                for k, v in options.items()
+                if k.startswith("socket_") and k != "socket_read_size"
+            }
         self.sentinel = Sentinel(  # type: ignore[no-untyped-call]
             list(nodes.addresses),
             min_other_sentinels=min_other,
