@@ -75,13 +75,32 @@ __all__ = [
     "RENEW",
     "RedisLeaseStore",
     "check_cert_files",
+    "client_defaults",
     "server_reply",
 ]
 
 #: Bytes redis-py asks the socket for per read (its ``socket_read_size``): a
 #: bytes object of this size plus its 33-byte header stays within the 512 bytes
-#: Python's small-object allocator serves (see ``RedisLeaseStore.__init__``).
+#: Python's small-object allocator serves (see :func:`client_defaults`).
 SOCKET_READ_SIZE = 448
+
+
+def client_defaults(options: dict[str, Any], *, read_size: bool = True) -> None:
+    """The client options every Redis store sets unless the user did: single
+    server, Sentinel master and each Cluster node alike (``read_size=False``
+    where the client has no ``socket_read_size``)."""
+    # A store call that hangs holds a task's pool slot: fail it as unavailable.
+    options.setdefault("socket_timeout", 5.0)
+    options.setdefault("socket_connect_timeout", 5.0)
+    # redis-py receives into a fresh bytes object of this size and shrinks it
+    # to the reply: at its default (tens of kB) that is a large glibc
+    # allocation per reply, cut down and kept, which fragments the heap of a
+    # long-running worker so that its RSS grows with every task. The hot
+    # path's replies are tens of bytes; a read this small comes from Python's
+    # own small-object allocator (up to 512 bytes) and a large reply just
+    # takes more reads.
+    if read_size:
+        options.setdefault("socket_read_size", SOCKET_READ_SIZE)
 
 
 class RedisLeaseStore(LeaseStore):
@@ -106,16 +125,7 @@ class RedisLeaseStore(LeaseStore):
         self.url = url
         self.prefix = key_prefix
         self.wait: WaitPolicy | None = wait_policy(options)
-        options.setdefault("socket_timeout", 5.0)
-        options.setdefault("socket_connect_timeout", 5.0)
-        # redis-py receives into a fresh bytes object of this size and shrinks it
-        # to the reply: at its default (tens of kB) that is a large glibc
-        # allocation per reply, cut down and kept, which fragments the heap of a
-        # long-running worker so that its RSS grows with every task (the memory
-        # benchmark, BENCHMARKS.md section 7). The hot path's replies are tens of
-        # bytes; a read this small comes from Python's own small-object
-        # allocator (up to 512 bytes) and a large reply just takes more reads.
-        options.setdefault("socket_read_size", SOCKET_READ_SIZE)
+        client_defaults(options)
         try:
             self.client: redis.Redis = self.make_client(url, options)
             # redis-py connects lazily: build one connection object (no I/O) so an

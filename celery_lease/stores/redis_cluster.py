@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import redis
-from redis.cluster import ClusterNode, RedisCluster
+from redis.cluster import REDIS_ALLOWED_KEYS, ClusterNode, RedisCluster
 from redis.commands.core import Script
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -56,6 +56,7 @@ from celery_lease.stores.redis import (
     _tag,
     _untag,
     check_cert_files,
+    client_defaults,
 )
 from celery_lease.stores.redis_scripts import CLAIM, EVICT, INSPECT, MARK, RELEASE, RENEW
 from celery_lease.stores.redis_transport import server_reply
@@ -211,8 +212,8 @@ class ClusterLeaseStore(RedisLeaseStore):
                     f"lease_store_options[{name!r}]: leases are read from the masters only "
                     "(a replica's copy may be behind)"
                 )
-        options.setdefault("socket_timeout", 5.0)
-        options.setdefault("socket_connect_timeout", 5.0)
+        # redis-py 5's cluster client drops socket_read_size (6 passes it on).
+        client_defaults(options, read_size="socket_read_size" in REDIS_ALLOWED_KEYS)
         nodes = parse_cluster_url("lease_store_url", url)
         if nodes.password is not None:
             options.setdefault("password", nodes.password)

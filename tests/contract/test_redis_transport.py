@@ -19,7 +19,7 @@ import redis
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from celery_lease.stores.redis import RedisLeaseStore
+from celery_lease.stores.redis import SOCKET_READ_SIZE, RedisLeaseStore
 from celery_lease.stores.redis_transport import REDIS_PY_CHECKED
 from tests.servers import RedisServer, wait_for
 
@@ -169,5 +169,36 @@ def test_with_a_client_side_cache_scripts_go_through_redis_py(
         assert store.fence_token("k") == lease.token
         assert store.time() > 0
         assert store.release(lease)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("kind", ["redis", "sentinel", "cluster"])
+def test_every_redis_store_reads_replies_in_small_chunks(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """The read size that keeps a worker's heap flat (client_defaults) reaches
+    the connections of each Redis store: server, Sentinel master, every
+    Cluster node. redis-py 5's cluster client has no such option."""
+    from redis.cluster import REDIS_ALLOWED_KEYS
+
+    from tests.store_fixtures import new_key, open_store, store_url
+
+    store = open_store(store_url(request, kind), kind)
+    assert isinstance(store, RedisLeaseStore)
+    try:
+        key = new_key("read-size")
+        lease = store.claim(key, ttl=5.0)  # connects
+        assert lease is not None
+        if kind == "cluster":
+            pools = [n.redis_connection.connection_pool for n in store.client.get_nodes()]
+            expected = SOCKET_READ_SIZE if "socket_read_size" in REDIS_ALLOWED_KEYS else None
+        else:
+            pools = [store.client.connection_pool]
+            expected = SOCKET_READ_SIZE
+        assert pools
+        for pool in pools:
+            assert pool.connection_kwargs.get("socket_read_size") == expected
+        store.release(lease)
     finally:
         store.close()
