@@ -102,6 +102,7 @@ class Cluster:
         ttl: float,
         vt: float | None = None,
         store_options: dict[str, Any] | None = None,
+        settings: dict[str, Any] | None = None,
     ) -> None:
         self.logdir = logdir
         self.store_url = store_url
@@ -119,8 +120,11 @@ class Cluster:
         }
         if vt is not None:
             self.env["CL_VT"] = str(vt)
+        conf = dict(settings or {})
         if self.store_options:
-            self.env["CL_SETTINGS"] = json.dumps({"lease_store_options": self.store_options})
+            conf["lease_store_options"] = self.store_options
+        if conf:
+            self.env["CL_SETTINGS"] = json.dumps(conf)
         self.app, self.tasks = build(self.env)
         self.workers: list[Worker] = []
         self._store: LeaseStore | None = None
