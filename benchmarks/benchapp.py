@@ -26,6 +26,12 @@ Variables:
 - ``BENCH_SQL_TRACE``: count SQLite statements (the count is written with each time),
   and PostgreSQL round trips and statements as celery-lease's driver layer sends them
   (``celery_lease.sql.PG_TRAFFIC``: pipelining sends several statements per round trip)
+- ``BENCH_CENSUS_EVERY``: every that many tasks, append tests/census.py's census of
+  the process (celery-lease's live objects and reference cycles, glibc's heap) to
+  ``census-<pid>.jsonl`` in ``BENCH_CENSUS_DIR`` (default: ``BENCH_TIMES_DIR``);
+  ``BENCH_CENSUS_GARBAGE=1``: also every type left in reference cycles, by count;
+  ``BENCH_TRACEMALLOC=1``: trace allocations from the first task, so the census
+  includes celery-lease's traced bytes
 - ``BENCH_PROFILE``: cProfile the tasks of a solo worker, dump stats there at shutdown
   (``BENCH_PROFILE_SKIP``: after that many warm-up tasks; ``BENCH_PROFILE_UNTIL``: stop
   after that many tasks)
@@ -367,8 +373,49 @@ def _stop_profile(**_: Any) -> None:
         _dump_profile()
 
 
+_census_count = [0]
+
+
+def _garbage() -> dict[str, int]:
+    """The types of the objects only the cycle collector can free, by count (what
+    reference counting left behind since the last collection)."""
+    import gc
+    from collections import Counter
+
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        found = Counter(f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage)
+    finally:
+        gc.garbage.clear()
+        gc.set_debug(0)
+    return dict(found.most_common(40))
+
+
+def _census(**_: Any) -> None:
+    """A census of this process every ``BENCH_CENSUS_EVERY`` tasks (memory soaks)."""
+    _census_count[0] += 1
+    if _census_count[0] == 1 and os.environ.get("BENCH_TRACEMALLOC") == "1":
+        import tracemalloc
+
+        tracemalloc.start(1)
+    if _census_count[0] % int(os.environ["BENCH_CENSUS_EVERY"]):
+        return
+    from tests.census import take
+
+    garbage = _garbage() if os.environ.get("BENCH_CENSUS_GARBAGE") == "1" else None
+    record = {"done": _census_count[0], **take(), "garbage": garbage}
+    record.pop("packages", None)
+    directory = os.environ.get("BENCH_CENSUS_DIR") or os.environ["BENCH_TIMES_DIR"]
+    path = os.path.join(directory, f"census-{os.getpid()}.jsonl")
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record) + "\n")
+
+
 if os.environ.get("BENCH_TIMES_DIR"):
     task_postrun.connect(_write_time, weak=False, dispatch_uid="bench.times")
+if os.environ.get("BENCH_CENSUS_EVERY"):
+    task_postrun.connect(_census, weak=False, dispatch_uid="bench.census")
 if os.environ.get("BENCH_PROFILE"):
     task_prerun.connect(_start_profile, weak=False, dispatch_uid="bench.profile")
     task_postrun.connect(_stop_profile, weak=False, dispatch_uid="bench.profile.stop")

@@ -7,6 +7,7 @@ the decision expects (``None``, or :class:`~celery_lease.decide.Failed`).
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.appstate import app_state
@@ -26,7 +27,10 @@ class Reads:
     """Reads for ``ex``'s decisions; keeps the accepted result one brought."""
 
     def __init__(self, ex: Execution) -> None:
-        self.ex = ex
+        # The execution keeps its Reads: a strong reference back would make the
+        # pair a reference cycle, which only the cycle collector frees (late, in
+        # a long-running worker, while the heap grows).
+        self.ex: Execution = weakref.proxy(ex)
         #: The accepted result a read brought (to store or return).
         self.accepted: AcceptedResult | None = None
 

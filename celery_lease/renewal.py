@@ -286,6 +286,12 @@ class HeldLease:
         with self._lock:
             self.silenced = True
             self.detached = True
+            # Silenced for good, so the callbacks can never run: drop them. A
+            # callback bound to its owner (a task's Execution, which holds this
+            # lease) is a reference cycle that only the cycle collector frees;
+            # in a long-running worker, cycles that reach its oldest generation
+            # wait for a full collection and the heap grows in between.
+            self._on_lost.clear()
 
     def release(self) -> bool:
         """Stop renewing and release. True if it was still the owner."""

@@ -135,11 +135,11 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
         return _body(self, key, sleep, tag, env("CL_LOG"))
 
     @app.task(shared=False, name="leaseapp.census")
-    def census() -> dict[str, Any]:
+    def census(hold_cycles: bool = False) -> dict[str, Any]:
         """What this pool process holds of celery-lease's (tests/census.py)."""
         from tests.census import take
 
-        return take()
+        return take(hold_cycles)
 
     tasks.die_after_commit = die_after_commit
     tasks.census = census
