@@ -1,7 +1,12 @@
-"""7. Memory in a long-running worker: each pool child's RSS over a long drain."""
+"""7. Memory in a long-running worker: each pool child's RSS over a long drain.
+
+``BENCH_MEMORY_ONLY="prefork:plain,solo:plain"`` runs only those soaks (pool:contender),
+for a machine that cannot give the whole section its hours in one go.
+"""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -165,8 +170,11 @@ def run(env: Env) -> Section:
         ),
     )
     soaks: dict[tuple[str, str], Soak] = {}
+    only = {tuple(x.split(":", 1)) for x in os.environ.get("BENCH_MEMORY_ONLY", "").split(",") if x}
     for pool, keys in (("prefork", contenders), ("solo", solo)):
         for key in keys:
+            if only and (pool, key) not in only:
+                continue
             why = targets.available(kinds[key])
             if why:
                 log(f"{NAME}: {key} skipped: {why}")
