@@ -184,6 +184,12 @@ class LeaseBackend(KeyValueStoreBackend):  # type: ignore[misc]
     def exception_safe_to_retry(self, exc: BaseException) -> bool:
         return isinstance(exc, StoreUnavailable)
 
+    @property
+    def client(self) -> LeaseBackend:
+        """The backend itself: Celery 5.3's key-value chord code, written for Redis,
+        deletes a finished chord's counter with ``self.client.delete(key)``."""
+        return self
+
     # -- the key-value protocol ----------------------------------------------
 
     def get(self, key: str) -> str | None:

@@ -100,8 +100,9 @@ def deployment(
         pg_server.drop_database(name)
 
 
-def stored(url: str, key: str) -> dict[str, Any] | None:
-    """The JSON a key holds in ``celery_lease_task_meta``, read from the table itself."""
+def stored(url: str, key: str) -> Any:
+    """The JSON a key holds in ``celery_lease_task_meta`` (None: no row), read from the
+    table itself."""
     engine = create_engine(url, poolclass=NullPool)
     try:
         with engine.connect() as conn:
@@ -110,7 +111,7 @@ def stored(url: str, key: str) -> dict[str, Any] | None:
             ).scalar()
     finally:
         engine.dispose()
-    return None if value is None else dict(json.loads(value))
+    return None if value is None else json.loads(value)
 
 
 def check_forget(d: Deployment, result: AsyncResult) -> None:

@@ -216,6 +216,40 @@ def test_groups_save_restore_and_get_many(app: Celery) -> None:
     assert GroupResult.restore(saved.id, app=app) is None
 
 
+def test_a_chord_counts_its_header_and_sends_the_callback_once(app: Celery) -> None:
+    """Celery's chord protocol on this backend, as the worker runs it: the header is
+    saved, each member's end calls on_chord_part_return, whose atomic incr lets the
+    third (and only the third) send the callback; the counter and the saved
+    header are removed after."""
+    from celery.app.task import Context
+
+    backend = backend_of(app)
+
+    @app.task(name="contract.collect", shared=False)
+    def collect(values: list[Any]) -> list[Any]:
+        return values
+
+    group_id, ids = str(uuid.uuid4()), [task_id() for _ in range(3)]
+    callback = collect.s()
+    backend.apply_chord((group_id, [AsyncResult(t, app=app) for t in ids]), callback)
+    counter = backend.get_key_for_chord(group_id)
+    with app.connection_for_read() as conn:
+        queue = conn.SimpleQueue(app.conf.task_default_queue)
+        for i, tid in enumerate(ids):
+            request = Context(id=tid, group=group_id, chord=callback, task="contract.member")
+            backend.store_result(tid, i, states.SUCCESS, request=request)
+            backend.on_chord_part_return(request, states.SUCCESS, i)
+            assert backend.get(counter) == (None if i == 2 else str(i + 1))
+        message = queue.get(timeout=5)
+        assert (message.headers["task"], message.payload[0]) == ("contract.collect", [[0, 1, 2]])
+        message.ack()
+        with pytest.raises(queue.Empty):
+            queue.get_nowait()  # sent once (synchronously, by the third member)
+        queue.close()
+    assert row(backend.db.url, counter) is None
+    assert GroupResult.restore(group_id, app=app) is None
+
+
 def test_result_extended_fields_are_stored(db_url: str) -> None:
     from celery.app.task import Context
 
