@@ -38,8 +38,12 @@ as absent at once, as an expired Redis key does, and :meth:`LeaseBackend.cleanup
 unreachable, read-only, out of connections...) is retryable: as for Celery's
 own SQL backend, state writes and reads retry it 3 times with backoff unless
 ``result_backend_always_retry`` / ``result_backend_max_retries`` say
-otherwise. Missing tables are a :class:`~celery_lease.exceptions.LeaseConfigError`
-that names ``celery -A proj lease migrate``.
+otherwise; once they are spent, Celery raises its ``BackendGetMetaError`` /
+``BackendStoreError``. Both StoreUnavailable and BackendGetMetaError are in
+:attr:`LeaseBackend.connection_errors`, which the task layer reads as "the
+backend cannot be read" (a deferral, not a failure). Missing tables are a
+:class:`~celery_lease.exceptions.LeaseConfigError` that names
+``celery -A proj lease migrate``.
 
 This backend is Celery's plain protocol: a leased task's state writes are not
 yet fenced, nor committed in the fenced result's transaction.
@@ -54,7 +58,7 @@ from typing import Any
 
 from celery import states
 from celery.backends.base import KeyValueStoreBackend
-from celery.exceptions import ImproperlyConfigured
+from celery.exceptions import BackendGetMetaError, ImproperlyConfigured
 
 from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
 from celery_lease.sql import Database, database
@@ -141,8 +145,10 @@ class LeaseBackend(KeyValueStoreBackend):  # type: ignore[misc]
     supports_failure_expires = True
     supports_result_compression = False
     #: What a read of this backend raises when the database cannot be reached
-    #: (the task layer treats the backend as unreadable, not the task as failed).
-    connection_errors = (StoreUnavailable,)
+    #: (the task layer treats the backend as unreadable, not the task as failed):
+    #: StoreUnavailable, or Celery's BackendGetMetaError once its retries of it
+    #: are spent.
+    connection_errors = (StoreUnavailable, BackendGetMetaError)
     # Set by Celery's Backend.__init__ from result_backend_always_retry / _max_retries.
     always_retry: bool | None
     max_retries: float | None

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from celery import Celery, states
 from celery.app.backends import by_url
-from celery.exceptions import ImproperlyConfigured
+from celery.exceptions import BackendGetMetaError, ImproperlyConfigured
 from celery.result import AsyncResult, GroupResult
 from kombu.exceptions import EncodeError
 from sqlalchemy import create_engine, text
@@ -28,9 +28,9 @@ from sqlalchemy.pool import NullPool
 import celery_lease
 from celery_lease import backend as backend_module
 from celery_lease.backend import LeaseBackend, LeaseBackendConfigError
-from celery_lease.exceptions import LeaseConfigError
+from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
 from celery_lease.sql import database
-from tests.servers import PostgresServer, wait_for
+from tests.servers import PostgresServer, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -420,6 +420,32 @@ def test_as_uri_masks_the_password(pg_url: str) -> None:
     assert backend.as_uri(include_password=True) == f"lease+{secret}"
     _, (cls, _, kwargs) = backend.__reduce__()
     assert cls is LeaseBackend and kwargs["url"] == secret  # a copy rebuilt elsewhere
+    app.close()
+
+
+@pytest.mark.parametrize("always_retry", [None, False])
+def test_an_unreachable_database_is_store_unavailable_retried_three_times_by_default(
+    always_retry: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Like Celery's own database backend: transient errors are retried (3 times,
+    with backoff) unless result_backend_always_retry says no; the error a reader
+    finally gets (StoreUnavailable, or Celery's BackendGetMetaError once the
+    retries are spent) is one of the backend's connection_errors, which the
+    task layer reads as "the backend is unreadable"."""
+    nowhere = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/db"  # nothing listens
+    settings = {} if always_retry is None else {"result_backend_always_retry": always_retry}
+    app = make_app(nowhere, **settings)
+    backend = backend_of(app)
+    backoffs: list[float] = []  # Celery sleeps once before each retry
+    real_sleep = backend._sleep
+    monkeypatch.setattr(backend, "_sleep", lambda s: (backoffs.append(s), real_sleep(s)))
+    with pytest.raises(backend.connection_errors) as caught:
+        backend.get_task_meta(task_id(), cache=False)
+    fault = caught.value if always_retry is False else caught.value.__context__
+    assert isinstance(fault, StoreUnavailable) and "Connection refused" in str(fault)
+    if always_retry is None:
+        assert isinstance(caught.value, BackendGetMetaError)
+    assert len(backoffs) == (3 if always_retry is None else 0)
     app.close()
 
 
