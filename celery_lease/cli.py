@@ -24,7 +24,6 @@ from celery_lease.exceptions import LeaseError
 from celery_lease.keys import scoped
 from celery_lease.results import AcceptedResult, ResultTable
 from celery_lease.stores.base import LeaseRecord, LeaseStore
-from celery_lease.stores.registry import is_sql_url
 from celery_lease.urls import redact_url
 
 __all__ = ["lease"]
@@ -241,14 +240,12 @@ def release(ctx: click.Context, key: str, tenant: str | None, force: bool, as_js
 @click.pass_context
 @_errors
 def migrate(ctx: click.Context) -> None:
-    """Create or upgrade celery-lease's tables (leases, results, fences)."""
+    """Create or upgrade celery-lease's tables (leases, results, fences, the
+    lease+ result backend's records)."""
     from celery_lease.sql.migrate import migrate as run_migrations
+    from celery_lease.startup import databases
 
-    cfg = config(ctx.obj.app)
-    urls = [cfg.result_url]
-    if cfg.store_url != cfg.result_url and is_sql_url(cfg.store_url):
-        urls.append(cfg.store_url)
-    for url in urls:
+    for url in databases(ctx.obj.app, config(ctx.obj.app)):
         run_migrations(url)
         click.echo(f"migrated {redact_url(url)}")
 

@@ -20,7 +20,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-__all__ = ["VERSION_TABLE", "fences", "leases", "metadata", "results"]
+__all__ = ["VERSION_TABLE", "fences", "leases", "metadata", "results", "task_meta"]
 
 #: Alembic's version table for this package, apart from the application's own.
 VERSION_TABLE = "celery_lease_alembic_version"
@@ -82,4 +82,20 @@ fences = Table(
     Column("resource", Text, primary_key=True),
     Column("fencing_token", BigInteger, nullable=False),
     Column("updated_at", Double, nullable=False),
+)
+
+#: The Celery result backend's records (``celery_lease.backend.LeaseBackend``):
+#: one row per key of Celery's key-value protocol (``celery-task-meta-<id>``,
+#: ``celery-taskset-meta-<id>``, ``chord-unlock-<id>``), ``value`` the JSON Celery
+#: encoded. ``expires_at`` NULL: never expires; a row past it reads as absent
+#: until ``backend.cleanup()`` deletes it. ``token`` is reserved for fencing a
+#: leased task's state writes and written by nothing yet.
+task_meta = Table(
+    "celery_lease_task_meta",
+    metadata,
+    Column("key", Text, primary_key=True),
+    Column("value", Text, nullable=False),
+    Column("expires_at", Double, nullable=True),
+    Column("token", BigInteger, nullable=True),
+    Index(None, "expires_at"),
 )

@@ -1,13 +1,16 @@
 """What the worker checks and says when it starts (called by the bootstep).
 
+- a ``lease+`` result backend is built first: a wrong setting of it (its URL,
+  ``result_serializer``) refuses the start;
 - the lease store answers a read: if not, one loud WARNING naming the
   (redacted) URL and the error. The worker starts anyway: a leased task that
   finds the store down retries for ``lease_store_retry``, then defers (its
   message goes back to the broker), so work waits for the store, it is not lost;
-- each PostgreSQL database celery-lease writes (``lease_result_url``, and a
-  SQL ``lease_store_url`` if another) has its tables at the current schema: if
-  not, the worker refuses to start, naming the database and the command that
-  creates them. SQLite files are migrated on first use, so they pass;
+- each PostgreSQL database celery-lease writes (``lease_result_url``, a SQL
+  ``lease_store_url`` if another, the ``lease+`` result backend's) has its
+  tables at the current schema: if not, the worker refuses to start, naming
+  the database and the command that creates them. SQLite files are migrated
+  on first use, so they pass;
 - then ONE banner line: store and results (redacted), key prefix, TTL.
 
 :func:`refusal` turns a configuration error into the one-line exit Celery's
@@ -30,7 +33,16 @@ from celery_lease.urls import redact_url
 if TYPE_CHECKING:
     from celery_lease.config import Config
 
-__all__ = ["SchemaNotCurrent", "banner", "check_schema", "probe_store", "refusal", "run"]
+__all__ = [
+    "SchemaNotCurrent",
+    "banner",
+    "check_backend",
+    "check_schema",
+    "databases",
+    "probe_store",
+    "refusal",
+    "run",
+]
 
 logger = logging.getLogger("celery_lease.startup")
 
@@ -44,12 +56,24 @@ class SchemaNotCurrent(LeaseConfigError):
 
 def run(app: Any, cfg: Config) -> None:
     """The start-up checks and the banner; raises :class:`LeaseConfigError` to refuse."""
+    check_backend(app)
     store_state = probe_store(cfg)
     results_state = check_schema(app, cfg)
     logger.info(
         banner(cfg, store_state, results_state),
         extra={"action": "start", "store": redact_url(cfg.store_url)},
     )
+
+
+def check_backend(app: Any) -> None:
+    """Build a ``lease+`` result backend now: its settings (URL, ``result_serializer``)
+    are checked when it is built, and a wrong one then refuses the start in one
+    line instead of failing later, while Celery prints its banner."""
+    from celery_lease.backend import lease_backend_url
+
+    if lease_backend_url(app) is not None:
+        backend = app.backend
+        logger.debug("celery-lease: result backend %s", backend.as_uri())
 
 
 def probe_store(cfg: Config) -> str:
@@ -78,10 +102,25 @@ def probe_store(cfg: Config) -> str:
     return "reachable"
 
 
-def _databases(cfg: Config) -> list[str]:
+def databases(app: Any, cfg: Config) -> list[str]:
+    """The SQL databases celery-lease writes for ``app``: ``lease_result_url``, a
+    SQL ``lease_store_url`` if another, and the ``lease+`` result backend's if
+    another (``lease migrate`` migrates them; the worker checks them at start).
+
+    Raises :class:`LeaseConfigError` for a ``lease+`` backend URL that names no
+    PostgreSQL or SQLite database.
+    """
+    from celery_lease.backend import check_backend_url, lease_backend_url
+    from celery_lease.sql.driver import normalize_sql_url
+
     urls = [cfg.result_url]
     if cfg.store_url != cfg.result_url and is_sql_url(cfg.store_url):
         urls.append(cfg.store_url)
+    backend = lease_backend_url(app)
+    if backend is not None:
+        check_backend_url(backend)
+        if normalize_sql_url(backend) not in {normalize_sql_url(u) for u in urls}:
+            urls.append(backend)
     return urls
 
 
@@ -91,7 +130,7 @@ def check_schema(app: Any, cfg: Config) -> str:
     from celery_lease.sql.migrate import HEAD, current
 
     state = "schema at head"
-    for url in _databases(cfg):
+    for url in databases(app, cfg):
         db = database(url)
         if db.is_sqlite:
             if url == cfg.result_url:

@@ -14,6 +14,12 @@ from celery_lease.sql import queries
 from celery_lease.sql.queries import (
     _INSPECT,
     _LIST,
+    _META_CLEANUP,
+    _META_EXPIRE,
+    _META_GET,
+    _META_INCR,
+    _META_MGET,
+    _META_SET,
     _RELEASE_IN,
     _RENEW_LEASE,
     _RESULT_INSERT,
@@ -60,6 +66,17 @@ class Dialect:
             )
             for once in (True, False)
         }
+        # The result backend's statements (``queries._META_*``, celery_lease/backend.py).
+        #: Upsert a key's value and expiry.
+        self.meta_set = _META_SET.format(now=now)
+        #: One key's unexpired value.
+        self.meta_get = _META_GET.format(now=now)
+        #: Add one to a key's counter, returning it.
+        self.meta_incr = _META_INCR.format(now=now)
+        #: Set an unexpired key's expiry.
+        self.meta_expire = _META_EXPIRE.format(now=now)
+        #: Delete the expired rows.
+        self.meta_cleanup = _META_CLEANUP.format(now=now)
 
     # Over n keys (an ``IN`` list; parameters named by :func:`key_params`).
 
@@ -83,6 +100,10 @@ class Dialect:
     def result_own_lease(self, release: bool, n: int) -> str:
         """SQLite, colocated commit: own (and release, or only touch) n lease rows."""
         return _result_own_lease(release, n)
+
+    def meta_mget(self, n: int) -> str:
+        """The result backend: the unexpired values of n keys."""
+        return _meta_mget(self.now, n)
 
 
 def key_params(keys: tuple[str, ...] | list[str]) -> dict[str, Any]:
@@ -121,6 +142,11 @@ def _result_own_lease(release: bool, n: int) -> str:
     return _RESULT_OWN_LEASE.format(set=keep, keys=_in_list(n))
 
 
+@lru_cache(maxsize=128)
+def _meta_mget(now: str, n: int) -> str:
+    return _META_MGET.format(now=now, keys=_in_list(n))
+
+
 DIALECTS = {name: Dialect(name) for name in NOW}
 
 
@@ -146,6 +172,12 @@ def rendered(dialect: str) -> Iterator[tuple[str, str]]:
     yield "list_leases", d.list_leases
     for once, sql in d.result_insert.items():
         yield f"result_insert[once={once}]", sql
+    yield "meta_set", d.meta_set
+    yield "meta_get", d.meta_get
+    yield "meta_mget", d.meta_mget(1)
+    yield "meta_incr", d.meta_incr
+    yield "meta_expire", d.meta_expire
+    yield "meta_cleanup", d.meta_cleanup
     yield "release_in", d.release_in(1)
     yield "select_leases_in", d.select_leases_in(1)
     if pg:  # on SQLite, lock_fence is FENCE_CURRENT itself

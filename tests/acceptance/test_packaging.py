@@ -84,6 +84,24 @@ def test_wheel_metadata_names_license_and_python_versions(wheel: Path) -> None:
     assert not [r for r in core if "redis" in r], core
 
 
+def test_wheel_registers_the_result_backend_and_ships_its_migration(wheel: Path) -> None:
+    """Celery finds ``lease+...`` through the wheel's entry points, and the table it
+    needs comes with the wheel's migrations."""
+    import configparser
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as zf:
+        (points,) = [n for n in zf.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        entry_points = configparser.ConfigParser()
+        entry_points.read_string(zf.read(points).decode())
+        names = zf.namelist()
+    assert dict(entry_points["celery.result_backends"]) == {
+        "lease": "celery_lease.backend:LeaseBackend"
+    }
+    assert "celery_lease/backend.py" in names
+    assert "celery_lease/migrations/versions/0004_task_meta.py" in names
+
+
 @pytest.mark.redis
 def test_redis_extra_with_the_oldest_celery_gets_a_working_redis_transport(
     wheel: Path, tmp_path: Path, make_redis_server: object

@@ -89,6 +89,11 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
             raise self.retry(countdown=0.2, max_retries=1)
         return value
 
+    @app.task(shared=False, name="leaseapp.add")
+    def add(x: Any, y: Any) -> Any:
+        """A plain task (no lease): ``x + y``; a TypeError for operands that do not add."""
+        return x + y
+
     @app.task(shared=False, name="leaseapp.collect")
     def collect(results: list[Any]) -> list[Any]:
         """A plain chord callback: what the members returned, in order."""
@@ -146,6 +151,7 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
     tasks.bad_return = bad_return
     tasks.retry_once = retry_once
     tasks.collect = collect
+    tasks.add = add
     return app, tasks
 
 

@@ -36,7 +36,12 @@ from celery_lease.sql.queries import CLAIM_LOOKUP_FN, REGISTER_LOOKUP_FN
 pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLES = {"celery_lease_leases", "celery_lease_results", "celery_lease_fences"}
+TABLES = {
+    "celery_lease_leases",
+    "celery_lease_results",
+    "celery_lease_fences",
+    "celery_lease_task_meta",
+}
 
 
 def head_revision() -> str:
@@ -214,13 +219,16 @@ def test_the_migrations_function_texts_are_the_packages() -> None:
     assert f"FUNCTION {REGISTER_LOOKUP_FN}(" in m.CREATE_REGISTER_LOOKUP
 
 
-def test_check_catches_a_column_dropped_by_hand(fresh_url: str) -> None:
+@pytest.mark.parametrize(
+    ("table", "column"), [("celery_lease_results", "root_id"), ("celery_lease_task_meta", "token")]
+)
+def test_check_catches_a_column_dropped_by_hand(fresh_url: str, table: str, column: str) -> None:
     celery_lease.migrate(fresh_url)
     engine = create_engine(fresh_url, poolclass=NullPool)
     with engine.begin() as conn:
-        conn.execute(text("ALTER TABLE celery_lease_results DROP COLUMN root_id"))
+        conn.execute(text(f"ALTER TABLE {table} DROP COLUMN {column}"))
     engine.dispose()
-    with pytest.raises(CommandError, match=r"root_id|upgrade operations"):
+    with pytest.raises(CommandError, match=rf"{column}|upgrade operations"):
         q.check(fresh_url)
 
 
