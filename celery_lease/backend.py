@@ -62,7 +62,7 @@ from celery.exceptions import BackendGetMetaError, ImproperlyConfigured
 
 from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
 from celery_lease.sql import Database, database
-from celery_lease.sql import queries as q
+from celery_lease.sql import meta_queries as mq
 from celery_lease.sql.dialects import key_params
 from celery_lease.sql.migrate import ensure_schema
 from celery_lease.stores.registry import is_sql_url
@@ -228,7 +228,7 @@ class LeaseBackend(KeyValueStoreBackend):  # type: ignore[misc]
 
     def delete(self, key: str) -> None:
         with self.db.single() as conn:
-            conn.execute(q.META_DELETE, {"key": _text(key)})
+            conn.execute(mq.META_DELETE, {"key": _text(key)})
 
     def incr(self, key: str) -> int:
         """Add one to ``key``'s counter and return the new value (atomic).

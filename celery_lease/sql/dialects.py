@@ -10,16 +10,18 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
-from celery_lease.sql import queries
-from celery_lease.sql.queries import (
-    _INSPECT,
-    _LIST,
+from celery_lease.sql import meta_queries, queries
+from celery_lease.sql.meta_queries import (
     _META_CLEANUP,
     _META_EXPIRE,
     _META_GET,
     _META_INCR,
     _META_MGET,
     _META_SET,
+)
+from celery_lease.sql.queries import (
+    _INSPECT,
+    _LIST,
     _RELEASE_IN,
     _RENEW_LEASE,
     _RESULT_INSERT,
@@ -66,7 +68,7 @@ class Dialect:
             )
             for once in (True, False)
         }
-        # The result backend's statements (``queries._META_*``, celery_lease/backend.py).
+        # The result backend's statements (``meta_queries``, celery_lease/backend.py).
         #: Upsert a key's value and expiry.
         self.meta_set = _META_SET.format(now=now)
         #: One key's unexpired value.
@@ -160,11 +162,12 @@ def rendered(dialect: str) -> Iterator[tuple[str, str]]:
     """``(name, text)`` of every client statement ``dialect`` can run, n-key
     ones for one key, in ``:name`` form (for the benchmarks' tables and tests)."""
     pg = dialect == "postgresql"
-    for name, value in vars(queries).items():
-        public = name[0] != "_" and name.isupper() and name[-3:] not in ("_PY", "_FN")
-        if public and isinstance(value, str) and (pg or not name.startswith("PG_")):
-            if name not in ("CLAIM_CTE", "REGISTER"):  # parts, not statements
-                yield name, value
+    for module in (queries, meta_queries):
+        for name, value in vars(module).items():
+            public = name[0] != "_" and name.isupper() and name[-3:] not in ("_PY", "_FN")
+            if public and isinstance(value, str) and (pg or not name.startswith("PG_")):
+                if name not in ("CLAIM_CTE", "REGISTER"):  # parts, not statements
+                    yield name, value
     d = DIALECTS[dialect]
     yield "select_now", d.select_now
     yield "register_fence", d.register_fence
