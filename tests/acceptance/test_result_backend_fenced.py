@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from celery import Celery, states
+from celery import Celery, chord, states
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
@@ -195,11 +195,13 @@ def test_the_success_is_written_by_the_commits_transaction(
     assert per_task[1:] == [expected] * (len(per_task) - 1), per_task
 
 
-def test_a_link_added_after_the_body_is_in_the_success_record(
+def test_canvas_on_success_records_written_by_the_commit(
     counted: tuple[str, Deployment],
 ) -> None:
     """Celery sends a link after the body and records it in the SUCCESS's
-    children: the tracer's write adds it (one fenced write, the same token)."""
+    children: the tracer's write adds it (one fenced write, the same token).
+    A chord of leased header tasks counts its members on the SUCCESS records
+    their commits wrote, and sends its callback once."""
     _, d = counted
     key = f"link-{uuid.uuid4().hex}"
     done = d.tasks.work.apply_async((key,), queue="qc", link=d.tasks.add.si(2, 3).set(queue="qc"))
@@ -209,6 +211,18 @@ def test_a_link_added_after_the_body_is_in_the_success_record(
     assert row["token"] == value["token"]
     (child,) = row["children"]
     assert d.app.AsyncResult(child[0][0]).get(timeout=60) == 5
+
+    keys = [f"chord-{uuid.uuid4().hex}" for _ in range(3)]
+    header = [d.tasks.work.s(k, 0.0, f"c{i}").set(queue="qc") for i, k in enumerate(keys)]
+    joined = chord(header, d.tasks.collect.s().set(queue="qc")).apply_async()
+    values = joined.get(timeout=60)
+    assert [(v["key"], v["tag"]) for v in values] == [(k, f"c{i}") for i, k in enumerate(keys)]
+    assert joined.parent is not None
+    for member, v in zip(joined.parent.results, values):
+        # (Not the xmin: Celery's chord code then updates each member's expiry.)
+        row = meta_row(d.db, member.id)
+        assert row is not None and (row["status"], row["result"]) == (states.SUCCESS, v)
+        assert row["token"] == v["token"] and row["group_id"] == joined.parent.id
 
 
 # -- 2. a stale copy writes nothing over the newer owner -----------------------------
