@@ -65,7 +65,11 @@ message header of the same name is a string). With it:
   ``encode``) in the commit's transaction, with the token, and marks the
   writer; the tracer's SUCCESS write for that request is then a no-op, unless
   Celery added children after the commit (a link, a chain's next task: sent
-  after the body), when it is one fenced write that adds them.
+  after the body), when it is one fenced write that adds them. The two
+  databases are one unless told otherwise: ``lease_result_url`` unset
+  defaults to this backend's database (``Config.from_app``). When they
+  differ, the tracer's SUCCESS is a write of its own, after the commit,
+  fenced like the others.
 
 Writes without a writer (tasks that are not leased, anything outside the
 worker's execution) follow Celery's key-value path as before, with one
