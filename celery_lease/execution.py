@@ -50,7 +50,7 @@ from celery_lease.exceptions import (
 from celery_lease.reads import Reads
 from celery_lease.renewal import HeldLease, renewer
 from celery_lease.requeue import republish
-from celery_lease.results import Prepared, encode_result
+from celery_lease.results import MetaRecord, Prepared, encode_result
 from celery_lease.runtime import runtime
 from celery_lease.scope import (
     DEFER_MARKER,
@@ -280,22 +280,8 @@ class Execution:
         deadline = held.valid_until
         while True:
             try:
-                self.rt.results.commit(
-                    held.lease,
-                    retval,
-                    mode=self.opts.mode,
-                    release=True,
-                    task_id=self.task_id,
-                    task_name=self.task.name,
-                    tenant=self.tenant,
-                    root_id=self.req.root_id,
-                    encoded=encoded,
-                    meta=record,
-                )
+                self._commit_once(held, retval, encoded, record)
                 facts = decide.Commit(decide.CommitResult.ACCEPTED)
-                writer = writer_of(self.req)
-                if record is not None and writer is not None:
-                    writer.committed(self.req)
             except StaleFencingToken as e:
                 stale = e
                 facts = decide.Commit(decide.CommitResult.STALE)
@@ -320,6 +306,27 @@ class Execution:
             if outcome.act is Act.DUPLICATE:
                 self.duplicate(DuplicateResult(dup.key, self._shown_token(dup.accepted_token)))
             return retval
+
+    def _commit_once(
+        self, held: HeldLease, retval: Any, encoded: str, record: MetaRecord | None
+    ) -> None:
+        """One attempt of the fenced commit (and release); with ``record``, the
+        task's SUCCESS in the same transaction, the tracer's write then a no-op."""
+        self.rt.results.commit(
+            held.lease,
+            retval,
+            mode=self.opts.mode,
+            release=True,
+            task_id=self.task_id,
+            task_name=self.task.name,
+            tenant=self.tenant,
+            root_id=self.req.root_id,
+            encoded=encoded,
+            meta=record,
+        )
+        writer = writer_of(self.req)
+        if record is not None and writer is not None:
+            writer.committed(self.req)
 
     # -- outcomes --------------------------------------------------------------------
 

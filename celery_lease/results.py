@@ -342,9 +342,7 @@ class ResultTable:
             raise LeaseConfigError(f"lease_mode must be one of {MODES}, got {mode!r}")
         if encoded is None:
             encoded = encode_result(value, task_name=task_name, max_bytes=self.max_bytes)
-        row = _result_row(lease, encoded, task_id, task_name, tenant, root_id)
-        if meta is not None:
-            row.update(meta.params())
+        row = _result_row(lease, encoded, task_id, task_name, tenant, root_id, meta)
         try:
             if self.colocated:
                 accepted_at = commit_colocated(self, lease, row, mode, release, meta is not None)
@@ -469,10 +467,14 @@ def _result_row(
     task_name: str | None,
     tenant: str | None,
     root_id: str | None,
+    record: MetaRecord | None = None,
 ) -> dict[str, Any]:
-    """The row a commit inserts; what the caller leaves None comes from the lease's meta."""
+    """The row a commit inserts (and ``record``'s parameters); what the caller
+    leaves None comes from the lease's meta."""
     meta = lease.meta
+    extra = record.params() if record is not None else {}
     return {
+        **extra,
         "key": lease.key,
         "token": lease.token,
         "task_id": task_id if task_id is not None else meta.get("task_id"),

@@ -84,7 +84,10 @@ class Dialect:
                 for once, sql in self.result_insert.items()
             }
         )
-        # The result backend's statements (``meta_queries``, celery_lease/backend.py).
+        self._render_meta(name, now)
+
+    def _render_meta(self, name: str, now: str) -> None:
+        """The result backend's statements (``meta_queries``, celery_lease/backend.py)."""
         status = STATUS[name].format(col="m.value")
         #: Upsert a key's value and expiry (never over a leased task's SUCCESS).
         self.meta_set = _META_SET.format(now=now, status=status)
