@@ -45,30 +45,71 @@ backend cannot be read" (a deferral, not a failure). Missing tables are a
 :class:`~celery_lease.exceptions.LeaseConfigError` that names
 ``celery -A proj lease migrate``.
 
-This backend is Celery's plain protocol: a leased task's state writes are not
-yet fenced, nor committed in the fenced result's transaction.
+**Leased tasks** (docs/result-backend.md, "Leased tasks"). A LeasedTask's
+execution puts a :class:`LeaseWriter` on its request (Celery's ``Context``,
+the object the tracer hands to every write of that task) once it holds its
+lease: an attribute, not a thread-local or a signal, so exactly the writes
+made for that request see it, and only an instance of the class counts (a
+message header of the same name is a string). With it:
+
+- every state write of the request (STARTED, RETRY, FAILURE, a custom
+  ``update_state``, a SUCCESS the execution stores itself) carries the
+  lease's token and is fenced by it in one statement (``meta_fenced``):
+  refused over a record whose token is larger (a newer owner of the task id
+  wrote it) and over a SUCCESS (Celery's rule, which its key-value code
+  checks with a read before the write, made atomic), logged and counted
+  (``celery_lease_backend_writes_refused``), never raised into the worker;
+- when this backend's database is the fenced result table's, the fenced
+  commit writes the task's SUCCESS record (:meth:`LeaseBackend.success_record`:
+  what the tracer would write, from Celery's own ``_get_result_meta`` and
+  ``encode``) in the commit's transaction, with the token, and marks the
+  writer; the tracer's SUCCESS write for that request is then a no-op, unless
+  Celery added children after the commit (a link, a chain's next task: sent
+  after the body), when it is one fenced write that adds them. The two
+  databases are one unless told otherwise: ``lease_result_url`` unset
+  defaults to this backend's database (``Config.from_app``). When they
+  differ, the tracer's SUCCESS is a write of its own, after the commit,
+  fenced like the others.
+
+Writes without a writer (tasks that are not leased, anything outside the
+worker's execution) follow Celery's key-value path as before, with one
+change: the upsert never replaces the SUCCESS of a record that has a token,
+in the same statement.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from celery import states
 from celery.backends.base import KeyValueStoreBackend
 from celery.exceptions import BackendGetMetaError, ImproperlyConfigured
+from kombu.utils.encoding import bytes_to_str
 
+from celery_lease import metrics
 from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
+from celery_lease.result_commit import MetaRecord
 from celery_lease.sql import Database, database
-from celery_lease.sql import queries as q
+from celery_lease.sql import meta_queries as mq
 from celery_lease.sql.dialects import key_params
 from celery_lease.sql.migrate import ensure_schema
 from celery_lease.stores.registry import is_sql_url
 from celery_lease.urls import check_sql_url, redact_url, scheme_of
 
-__all__ = ["SCHEME", "LeaseBackend", "LeaseBackendConfigError", "lease_backend_url"]
+__all__ = [
+    "SCHEME",
+    "LeaseBackend",
+    "LeaseBackendConfigError",
+    "LeaseWriter",
+    "commit_record",
+    "lease_backend_database",
+    "lease_backend_url",
+    "writer_of",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +141,13 @@ def lease_backend_url(app: Any) -> str | None:
     return None
 
 
+def lease_backend_database(app: Any) -> str | None:
+    """:func:`lease_backend_url` if it is an SQL database URL (``lease_result_url``'s
+    default), else None (a wrong one fails when the backend is built)."""
+    url = lease_backend_url(app)
+    return url if url is not None and is_sql_url(url) else None
+
+
 def check_backend_url(url: str | None) -> str:
     """``url`` (the part after ``lease+``) if it names a PostgreSQL or SQLite
     database, else a :class:`LeaseBackendConfigError` saying the URL forms."""
@@ -117,6 +165,59 @@ def check_backend_url(url: str | None) -> str:
     except LeaseConfigError as e:
         raise LeaseBackendConfigError(str(e)) from e
     return url
+
+
+@dataclass
+class LeaseWriter:
+    """What a LeasedTask's execution tells this backend about the request it runs.
+
+    Set as ``request.celery_lease_writer`` once the execution holds its lease,
+    and left there until Celery is done with the request, so that the
+    tracer's own writes after the body (SUCCESS, RETRY, FAILURE) carry it too.
+    """
+
+    #: The lease's fencing token: every write of this backend for the request carries it.
+    token: int
+    #: Set when the fenced commit wrote the task's SUCCESS record in its
+    #: transaction: how many children the request had then.
+    committed_children: int | None = None
+
+    def committed(self, request: Any) -> None:
+        """The fenced commit wrote ``request``'s SUCCESS record."""
+        self.committed_children = len(_children(request))
+
+
+#: The request attribute that holds a :class:`LeaseWriter`.
+WRITER_ATTR = "celery_lease_writer"
+
+
+def writer_of(request: Any) -> LeaseWriter | None:
+    """``request``'s :class:`LeaseWriter`, or None (only an instance counts:
+    Celery makes message headers request attributes, and a header is never one)."""
+    writer = getattr(request, WRITER_ATTR, None) if request is not None else None
+    return writer if isinstance(writer, LeaseWriter) else None
+
+
+def commit_record(
+    task: Any, request: Any, task_id: str, retval: Any, results_db: Database
+) -> MetaRecord | None:
+    """The SUCCESS record for a leased task's fenced commit to write in its
+    transaction: only if Celery would store one (not ``ignore_result``, not an
+    eager call without ``store_eager_result``), in a ``lease+`` backend whose
+    database is ``results_db``, the result table's. None: the tracer writes it
+    after the commit (a write of its own, fenced by the token here)."""
+    backend = task.backend
+    if not isinstance(backend, LeaseBackend) or backend.db is not results_db:
+        return None
+    ignored = task.ignore_result or getattr(request, "ignore_result", False)
+    eager = getattr(request, "is_eager", False)
+    if ignored or (eager and not getattr(task, "store_eager_result", False)):
+        return None
+    return backend.success_record(task_id, retval, request)
+
+
+def _children(request: Any) -> list[Any]:
+    return list(getattr(request, "children", None) or ())
 
 
 def _text(value: str | bytes) -> str:
@@ -219,16 +320,23 @@ class LeaseBackend(KeyValueStoreBackend):  # type: ignore[misc]
         self._write(key, value, self.expires)
 
     def _set_with_state(self, key: str, value: str | bytes, state: str) -> None:
-        self._write(key, value, self.failure_expires if state == states.FAILURE else self.expires)
+        self._write(key, value, self._expires(state), state)
 
-    def _write(self, key: str, value: str | bytes, expires: Any) -> None:
-        params = {"key": _text(key), "value": _text(value), "ttl": _seconds(expires)}
+    def _expires(self, state: str) -> Any:
+        return self.failure_expires if state == states.FAILURE else self.expires
+
+    def _write(self, key: str, value: str | bytes, expires: Any, state: str | None = None) -> None:
+        """Celery's write of ``key`` (never over a leased task's SUCCESS)."""
+        text_key = _text(key)
+        params = {"key": text_key, "value": _text(value), "ttl": _seconds(expires)}
         with self.db.single() as conn:
-            conn.execute(self.db.sql.meta_set, params)
+            written = conn.execute(self.db.sql.meta_set, params).first()
+        if written is None:
+            self._refused(text_key, state, None)
 
     def delete(self, key: str) -> None:
         with self.db.single() as conn:
-            conn.execute(q.META_DELETE, {"key": _text(key)})
+            conn.execute(mq.META_DELETE, {"key": _text(key)})
 
     def incr(self, key: str) -> int:
         """Add one to ``key``'s counter and return the new value (atomic).
@@ -246,6 +354,88 @@ class LeaseBackend(KeyValueStoreBackend):  # type: ignore[misc]
         params = {"key": _text(key), "ttl": _seconds(value)}
         with self.db.single() as conn:
             conn.execute(self.db.sql.meta_expire, params)
+
+    # -- leased tasks: fenced writes (the module's docstring) --------------------
+
+    def _store_result(
+        self,
+        task_id: str,
+        result: Any,
+        state: str,
+        traceback: Any = None,
+        request: Any = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Celery's ``_store_result``; for a leased task's request, fenced by its token."""
+        writer = writer_of(request)
+        if writer is None:
+            return super()._store_result(
+                task_id, result, state, traceback, request=request, **kwargs
+            )
+        if state == states.SUCCESS and writer.committed_children == len(_children(request)):
+            logger.debug("result backend: %s's SUCCESS was written by its commit", task_id)
+            return result
+        meta = self._task_meta(task_id, result, state, traceback, request)
+        key = _text(self.get_key_for_task(task_id))
+        params = {
+            "key": key,
+            "value": _text(self.encode(meta)),
+            "ttl": _seconds(self._expires(state)),
+            "token": writer.token,
+        }
+        with self.db.single() as conn:
+            written = conn.execute(self.db.sql.meta_fenced[state == states.SUCCESS], params).first()
+        if written is None:
+            self._refused(key, state, writer.token)
+        return result
+
+    def success_record(self, task_id: str, result: Any, request: Any) -> MetaRecord:
+        """The SUCCESS record Celery's tracer would write for ``request`` returning
+        ``result`` (its own ``encode_result``, ``_get_result_meta`` and ``encode``:
+        ``result_extended`` fields, children, ``date_done`` now), for the fenced
+        commit to write in its transaction."""
+        encoded = self.encode_result(result, states.SUCCESS)
+        meta = self._task_meta(task_id, encoded, states.SUCCESS, None, request)
+        return MetaRecord(
+            _text(self.get_key_for_task(task_id)),
+            _text(self.encode(meta)),
+            _seconds(self.expires),
+        )
+
+    def _task_meta(
+        self, task_id: str, result: Any, state: str, traceback: Any, request: Any
+    ) -> dict[str, Any]:
+        """The record Celery's key-value ``_store_result`` encodes, made the same way."""
+        meta: dict[str, Any] = self._get_result_meta(
+            result=result, state=state, traceback=traceback, request=request
+        )
+        meta["task_id"] = bytes_to_str(task_id)  # type: ignore[no-untyped-call]
+        return meta
+
+    def _refused(self, key: str, state: str | None, token: int | None) -> None:
+        """Log and count a write the statement refused (never raised: the record stands)."""
+        try:
+            with self.db.read() as conn:
+                found = conn.execute(self.db.sql.meta_fence, {"key": key}).first()
+        except StoreUnavailable:
+            found = None
+        metrics.backend_writes_refused.inc()
+        logger.warning(
+            "result backend: refused the %s write of %s by token %s: the record holds %s "
+            "by token %s",
+            state or "-",
+            key,
+            "-" if token is None else token,
+            found.status if found is not None else "?",
+            found.token if found is not None else "?",
+            extra={
+                "action": "backend_write_refused",
+                "key": key,
+                "state": state,
+                "token": token,
+                "held_token": found.token if found is not None else None,
+            },
+        )
 
     # -- retention -------------------------------------------------------------
 

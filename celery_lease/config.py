@@ -276,9 +276,9 @@ SETTINGS: dict[str, Setting] = {
             None,
             _optional(_url),
             "the fenced result table's database: postgresql+psycopg:// or "
-            "sqlite:/// (default: the lease store's database if it is SQL, "
-            "else the embedded SQLite file)",
-            shown="the store's database if SQL, else the SQLite file",
+            "sqlite:/// (default: the lease+ result backend's database, else the "
+            "lease store's if it is SQL, else the embedded SQLite file)",
+            shown="the lease+ backend's database, else the store's if SQL, else the SQLite file",
         ),
         Setting("lease_ttl", 30.0, _ttl, "lease length in seconds (at most one year)"),
         Setting(
@@ -420,6 +420,12 @@ class Config:
                 setting.name, setting.default if value is None else value
             )
         store_url = values["store_url"]
+        from celery_lease.backend import lease_backend_database
+
+        if values["result_url"] is None and (backend_db := lease_backend_database(app)):
+            # One database for the accepted rows and the task states: the commit
+            # writes both in one transaction (docs/result-backend.md).
+            values["result_url"] = _url("lease_result_url", backend_db)
         if values["result_url"] is None:
             values["result_url"] = _url(
                 "lease_result_url", store_url if is_sql_url(store_url) else DEFAULT_SQLITE_URL

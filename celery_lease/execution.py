@@ -9,6 +9,10 @@ plain SUCCESS/FAILURE record the result-backend state themselves (so
 Flower shows the custom state), and ``raise Ignore``. A copy of a task id
 whose own execution owns the result never writes the backend.
 
+Once it holds its lease, the execution puts a ``LeaseWriter`` (its token) on
+its request, which a ``lease+`` result backend fences every write of the
+request by (other backends ignore it); see :mod:`celery_lease.backend`.
+
 With ``acks_late``, a message that ends in a final state is acked and gone;
 so whenever the work was *not* done and nobody newer is doing it (the lease
 lapsed with no one taking over, the store was down at the commit), the task is
@@ -31,6 +35,7 @@ from celery.exceptions import Ignore, Retry
 from celery.states import STARTED
 
 from celery_lease import decide, events, metrics
+from celery_lease.backend import WRITER_ATTR, LeaseWriter, commit_record, writer_of
 from celery_lease.claiming import claim, jitter
 from celery_lease.config import config
 from celery_lease.decide import Act, Outcome, Read
@@ -45,7 +50,7 @@ from celery_lease.exceptions import (
 from celery_lease.reads import Reads
 from celery_lease.renewal import HeldLease, renewer
 from celery_lease.requeue import republish
-from celery_lease.results import Prepared, encode_result
+from celery_lease.results import MetaRecord, Prepared, encode_result
 from celery_lease.runtime import runtime
 from celery_lease.scope import (
     DEFER_MARKER,
@@ -122,6 +127,7 @@ class Execution:
         authorize(self.task, self.tenant, self.keys, self.args, self.kwargs)
         held = self.claim()
         self.held = held
+        setattr(self.req, WRITER_ATTR, LeaseWriter(held.token))  # kept for the tracer's writes
         finished = False
         try:
             # Renewed from the grant on: the look-up and the STARTED write below
@@ -266,6 +272,7 @@ class Execution:
         encoded = encode_result(
             retval, task_name=self.task.name, max_bytes=self.cfg.result_max_bytes
         )
+        record = commit_record(self.task, self.req, self.task_id, retval, self.rt.results.db)
         delay = 0.1
         # Retries end when the lease's validity as of the body's end does: the
         # renewals that go on through the commit must not keep a commit retrying
@@ -273,17 +280,7 @@ class Execution:
         deadline = held.valid_until
         while True:
             try:
-                self.rt.results.commit(
-                    held.lease,
-                    retval,
-                    mode=self.opts.mode,
-                    release=True,
-                    task_id=self.task_id,
-                    task_name=self.task.name,
-                    tenant=self.tenant,
-                    root_id=self.req.root_id,
-                    encoded=encoded,
-                )
+                self._commit_once(held, retval, encoded, record)
                 facts = decide.Commit(decide.CommitResult.ACCEPTED)
             except StaleFencingToken as e:
                 stale = e
@@ -309,6 +306,27 @@ class Execution:
             if outcome.act is Act.DUPLICATE:
                 self.duplicate(DuplicateResult(dup.key, self._shown_token(dup.accepted_token)))
             return retval
+
+    def _commit_once(
+        self, held: HeldLease, retval: Any, encoded: str, record: MetaRecord | None
+    ) -> None:
+        """One attempt of the fenced commit (and release); with ``record``, the
+        task's SUCCESS in the same transaction, the tracer's write then a no-op."""
+        self.rt.results.commit(
+            held.lease,
+            retval,
+            mode=self.opts.mode,
+            release=True,
+            task_id=self.task_id,
+            task_name=self.task.name,
+            tenant=self.tenant,
+            root_id=self.req.root_id,
+            encoded=encoded,
+            meta=record,
+        )
+        writer = writer_of(self.req)
+        if record is not None and writer is not None:
+            writer.committed(self.req)
 
     # -- outcomes --------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "backend_writes_refused",
     "claim_latency",
     "claims",
     "force_releases",
@@ -127,6 +128,12 @@ leases_lost = _Lazy(
 )
 stale_commits = _Lazy(
     lambda p: p.Counter("celery_lease_stale_commits", "Commits refused for a stale token")
+)
+backend_writes_refused = _Lazy(
+    lambda p: p.Counter(
+        "celery_lease_backend_writes_refused",
+        "Result-backend writes of leased tasks refused (a newer token, or over a SUCCESS)",
+    )
 )
 force_releases = _Lazy(
     lambda p: p.Counter("celery_lease_force_releases", "Leases evicted by an operator")

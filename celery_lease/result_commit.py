@@ -6,11 +6,17 @@ transaction checks (and releases) the lease rows and inserts.
 locked while the lease store is asked, then the row is inserted.
 Both return the accepted row's ``accepted_at`` or raise StaleFencingToken /
 DuplicateResult with nothing written.
+
+With a :class:`MetaRecord` (the ``lease+`` result backend's table in this
+database), the task's SUCCESS record is written by the same transaction as
+the accepted row, only if that row is: on PostgreSQL inside the statement
+that inserts the result (no round trip added), on SQLite right after it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.exceptions import (
@@ -28,42 +34,81 @@ from celery_lease.stores.base import Lease, LeaseStore
 if TYPE_CHECKING:
     from celery_lease.results import ResultTable
 
-__all__ = ["commit_colocated", "commit_remote", "insert"]
+__all__ = ["MetaRecord", "commit_colocated", "commit_remote", "insert"]
 
 # The result table's logger: these records are the table's, wherever the code lives.
 logger = logging.getLogger("celery_lease.results")
 
 
+@dataclass(frozen=True)
+class MetaRecord:
+    """A result backend's record of the committing task (a row of
+    ``celery_lease_task_meta``, the ``lease+`` backend's table, in the result
+    table's database), written by the commit's transaction with the lease's
+    token if, and only if, the commit is accepted.
+
+    ``value`` is the JSON the backend encoded (the caller builds it, e.g.
+    ``LeaseBackend.success_record``: this layer knows nothing of Celery);
+    ``ttl`` the seconds until it expires, in the database's clock (None: never).
+    """
+
+    key: str
+    value: str
+    ttl: float | None
+
+    def params(self) -> dict[str, Any]:
+        """The statements' parameters for this record (beside the result row's)."""
+        return {"meta_key": self.key, "meta_value": self.value, "meta_ttl": self.ttl}
+
+
 def insert(
-    db: Database, conn: Conn, row: dict[str, Any], once: bool, *, commit: bool = False
+    db: Database,
+    conn: Conn,
+    row: dict[str, Any],
+    once: bool,
+    *,
+    commit: bool = False,
+    meta: bool = False,
 ) -> float:
     """Insert the result row (the caller holds the key's lock); its accepted_at.
 
     ``commit``: the insert ends the transaction (sent with its COMMIT, one
-    round trip on PostgreSQL).
+    round trip on PostgreSQL). ``meta``: ``row`` also holds a
+    :class:`MetaRecord`'s parameters, written if the row is (PostgreSQL: by
+    the insert's own statement; SQLite: by the next one, the transaction
+    then ended by the caller's block).
 
     Raises :class:`DuplicateResult` when nothing was written: once mode found
     an accepted row for the key, or this very commit was accepted earlier
     (:meth:`ResultTable.commit` tells the two apart).
     """
-    sql = db.sql.result_insert[once]
-    inserted = conn.commit_after(sql, row) if commit else conn.execute(sql, row)
+    after = meta and db.is_sqlite  # the record as a statement of its own
+    sql = db.sql.result_insert_meta[once] if meta and not after else db.sql.result_insert[once]
+    inserted = conn.commit_after(sql, row) if commit and not after else conn.execute(sql, row)
     accepted_at = inserted.scalar()
     if accepted_at is None:
         duplicate = conn.execute(q.RESULT_DUPLICATE, {"key": row["key"]}).scalar()
         raise DuplicateResult(row["key"], None if duplicate is None else int(duplicate))
+    if after:
+        conn.execute(db.sql.meta_commit, row)
     return float(accepted_at)
 
 
 def commit_colocated(
-    table: ResultTable, lease: Lease, row: dict[str, Any], mode: str, release: bool
+    table: ResultTable,
+    lease: Lease,
+    row: dict[str, Any],
+    mode: str,
+    release: bool,
+    meta: bool = False,
 ) -> float:
-    """Leases in the result database: check (and release) the lease and insert,
-    in one transaction; the row's accepted_at."""
+    """Leases in the result database: check (and release) the lease and insert
+    (and write the record, with ``meta``: see :func:`insert`), in one
+    transaction; the row's accepted_at."""
     db = table.db
     once = mode == "once"
     if not db.is_sqlite:
-        return _commit_colocated_pg(table, lease, row, once, release)
+        return _commit_colocated_pg(table, lease, row, once, release, meta)
     own = db.sql.result_own_lease(release, len(lease.keys))
     params = key_params(lease.keys)
     params.update(owner_id=lease.owner_id, token=lease.token)
@@ -80,7 +125,7 @@ def commit_colocated(
                 "the lease is no longer held by this owner",
             )
         try:
-            accepted_at = insert(db, conn, row, once)
+            accepted_at = insert(db, conn, row, once, meta=meta)
         except DuplicateResult as e:
             duplicate = e  # the release above still commits
     if duplicate is not None:
@@ -89,15 +134,17 @@ def commit_colocated(
 
 
 def _commit_colocated_pg(
-    table: ResultTable, lease: Lease, row: dict[str, Any], once: bool, release: bool
+    table: ResultTable, lease: Lease, row: dict[str, Any], once: bool, release: bool, meta: bool
 ) -> float:
-    """PostgreSQL: the check, the release and the insert in one statement, one round trip."""
+    """PostgreSQL: the check, the release and the insert (and the record) in one
+    statement, one round trip."""
     n = len(lease.keys)
+    statements = q.PG_COMMIT_COLOCATED_META_PY if meta else q.PG_COMMIT_COLOCATED_PY
     if n == 1:
-        out = table.db.pg_first(q.PG_COMMIT_COLOCATED_PY[release, once, True], row)
+        out = table.db.pg_first(statements[release, once, True], row)
     else:
         params = {**row, "keys": list(lease.keys), "n": n}
-        out = table.db.pg_first(q.PG_COMMIT_COLOCATED_PY[release, once, False], params)
+        out = table.db.pg_first(statements[release, once, False], params)
     if out is None:  # never: the statement selects one row of scalars
         raise LeaseError("expected exactly one row, the database returned 0")
     owned, duplicate_token, accepted = out
@@ -114,10 +161,15 @@ def _commit_colocated_pg(
 
 
 def commit_remote(
-    table: ResultTable, lease: Lease, row: dict[str, Any], mode: str, release: bool
+    table: ResultTable,
+    lease: Lease,
+    row: dict[str, Any],
+    mode: str,
+    release: bool,
+    meta: bool = False,
 ) -> float:
     """Leases elsewhere: lock the fence row, ask the lease store while holding the
-    lock, insert; the row's accepted_at."""
+    lock, insert (and write the record, with ``meta``); the row's accepted_at."""
     store = table.store
     if store is None:
         raise LeaseConfigError("a ResultTable needs the lease store to commit leases from it")
@@ -150,7 +202,7 @@ def commit_remote(
                     store.fence_token(lease.key),
                     "the lease expired or was taken over before the commit",
                 )
-            return insert(db, conn, row, mode == "once", commit=True)
+            return insert(db, conn, row, mode == "once", commit=True, meta=meta)
     except DuplicateResult:
         if release and not released:
             _release_quietly(store, lease)

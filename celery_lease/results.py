@@ -43,6 +43,11 @@ unit of work: at most one accepted row per key, every later commit raises
 Results are JSON only (never a Python-object serializer) and size-limited; a value that
 cannot be stored fails before anything is written.
 
+A commit may carry a :class:`MetaRecord`, a result backend's record of the
+task (the ``lease+`` backend's SUCCESS, when its table is in this database):
+it is written in the commit's transaction, with the lease's token, exactly
+when the result row is (see :mod:`celery_lease.result_commit`).
+
 This module is the table's API and its reads; the two commit transactions are
 in :mod:`celery_lease.result_commit`, retention in :mod:`celery_lease.result_sweep`.
 """
@@ -66,7 +71,7 @@ from celery_lease.exceptions import (
     StaleFencingToken,
 )
 from celery_lease.keys import shorten
-from celery_lease.result_commit import commit_colocated, commit_remote
+from celery_lease.result_commit import MetaRecord, commit_colocated, commit_remote
 from celery_lease.result_sweep import sweep as sweep_table
 from celery_lease.sql import database
 from celery_lease.sql import queries as q
@@ -86,6 +91,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "MODES",
     "AcceptedResult",
+    "MetaRecord",
     "Prepared",
     "ResultTable",
     "accepted",
@@ -320,6 +326,7 @@ class ResultTable:
         tenant: str | None = None,
         root_id: str | None = None,
         encoded: str | None = None,
+        meta: MetaRecord | None = None,
     ) -> AcceptedResult:
         """Accept ``value`` for ``lease`` if its token is still the newest and held.
 
@@ -327,18 +334,20 @@ class ResultTable:
         Raises :class:`StaleFencingToken` (nothing written) or, in ``once``
         mode, :class:`DuplicateResult`; encoding errors are raised before
         anything is written. Idempotent: retrying a commit whose outcome was
-        lost with the connection returns the row it wrote.
+        lost with the connection returns the row it wrote. ``meta`` is
+        written in the same transaction, with ``lease.token``, if the row is
+        (on PostgreSQL in the same statement: no round trip added).
         """
         if mode not in MODES:
             raise LeaseConfigError(f"lease_mode must be one of {MODES}, got {mode!r}")
         if encoded is None:
             encoded = encode_result(value, task_name=task_name, max_bytes=self.max_bytes)
-        row = _result_row(lease, encoded, task_id, task_name, tenant, root_id)
+        row = _result_row(lease, encoded, task_id, task_name, tenant, root_id, meta)
         try:
             if self.colocated:
-                accepted_at = commit_colocated(self, lease, row, mode, release)
+                accepted_at = commit_colocated(self, lease, row, mode, release, meta is not None)
             else:
-                accepted_at = commit_remote(self, lease, row, mode, release)
+                accepted_at = commit_remote(self, lease, row, mode, release, meta is not None)
         except (StaleFencingToken, DuplicateResult):
             # A retry of a commit whose reply was lost: refused as stale once the
             # lease is gone, or (lease still held) found as this token's own row.
@@ -458,10 +467,14 @@ def _result_row(
     task_name: str | None,
     tenant: str | None,
     root_id: str | None,
+    record: MetaRecord | None = None,
 ) -> dict[str, Any]:
-    """The row a commit inserts; what the caller leaves None comes from the lease's meta."""
+    """The row a commit inserts (and ``record``'s parameters); what the caller
+    leaves None comes from the lease's meta."""
     meta = lease.meta
+    extra = record.params() if record is not None else {}
     return {
+        **extra,
         "key": lease.key,
         "token": lease.token,
         "task_id": task_id if task_id is not None else meta.get("task_id"),

@@ -11,7 +11,7 @@ commit:
   CRASH
   :: atomic {
        SPARE_GUARD CM_ENTER
-       /* @code celery_lease/result_commit.py:_commit_colocated_pg "out = table.db.pg_first(q.PG_COMMIT_COLOCATED_PY[release, once, True], row)" */
+       /* @code celery_lease/result_commit.py:_commit_colocated_pg "out = table.db.pg_first(statements[release, once, True], row)" */
        if
        :: true -> commit_colocated(w, k, T, tok, r)
        :: LOSSY; commit_colocated(w, k, T, tok, r); r = UNAVAIL
@@ -88,7 +88,7 @@ commit:
   if
   CRASH
   :: atomic {
-       /* @code celery_lease/result_commit.py:commit_remote "return insert(db, conn, row, mode == \"once\", commit=True)" */
+       /* @code celery_lease/result_commit.py:commit_remote "return insert(db, conn, row, mode == \"once\", commit=True, meta=meta)" */
        if
        :: true -> insert_row(w, k, T, tok, r, txf)
        :: LOSSY; insert_row(w, k, T, tok, r, txf); r = UNAVAIL

@@ -10,19 +10,27 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
-from celery_lease.sql import queries
-from celery_lease.sql.queries import (
-    _INSPECT,
-    _LIST,
+from celery_lease.sql import meta_queries, queries
+from celery_lease.sql.meta_queries import (
     _META_CLEANUP,
+    _META_COMMIT,
     _META_EXPIRE,
+    _META_FENCE,
+    _META_FENCED,
     _META_GET,
     _META_INCR,
     _META_MGET,
     _META_SET,
+    _OVER_SUCCESS,
+    STATUS,
+)
+from celery_lease.sql.queries import (
+    _INSPECT,
+    _LIST,
     _RELEASE_IN,
     _RENEW_LEASE,
     _RESULT_INSERT,
+    _RESULT_INSERT_META,
     _RESULT_ONCE_GUARD,
     _RESULT_OWN_LEASE,
     _SELECT_FENCES_IN,
@@ -66,9 +74,34 @@ class Dialect:
             )
             for once in (True, False)
         }
-        # The result backend's statements (``queries._META_*``, celery_lease/backend.py).
-        #: Upsert a key's value and expiry.
-        self.meta_set = _META_SET.format(now=now)
+        #: PostgreSQL: the result insert and the task's SUCCESS record in one
+        #: statement, by once mode (SQLite runs :attr:`meta_commit` after the insert).
+        self.result_insert_meta = (
+            {}
+            if sqlite
+            else {
+                once: _RESULT_INSERT_META.format(insert=sql.strip())
+                for once, sql in self.result_insert.items()
+            }
+        )
+        self._render_meta(name, now)
+
+    def _render_meta(self, name: str, now: str) -> None:
+        """The result backend's statements (``meta_queries``, celery_lease/backend.py)."""
+        status = STATUS[name].format(col="m.value")
+        #: Upsert a key's value and expiry (never over a leased task's SUCCESS).
+        self.meta_set = _META_SET.format(now=now, status=status)
+        #: A leased task's state write, fenced by its token, by "is a SUCCESS".
+        self.meta_fenced = {
+            success: _META_FENCED.format(
+                now=now, over_success=_OVER_SUCCESS[success].format(status=status)
+            )
+            for success in (True, False)
+        }
+        #: A row's token and state (what a refused write met).
+        self.meta_fence = _META_FENCE.format(status=STATUS[name].format(col="value"))
+        #: SQLite: the fenced commit's record, after the insert, in its transaction.
+        self.meta_commit = _META_COMMIT.format(now=now)
         #: One key's unexpired value.
         self.meta_get = _META_GET.format(now=now)
         #: Add one to a key's counter, returning it.
@@ -160,11 +193,12 @@ def rendered(dialect: str) -> Iterator[tuple[str, str]]:
     """``(name, text)`` of every client statement ``dialect`` can run, n-key
     ones for one key, in ``:name`` form (for the benchmarks' tables and tests)."""
     pg = dialect == "postgresql"
-    for name, value in vars(queries).items():
-        public = name[0] != "_" and name.isupper() and name[-3:] not in ("_PY", "_FN")
-        if public and isinstance(value, str) and (pg or not name.startswith("PG_")):
-            if name not in ("CLAIM_CTE", "REGISTER"):  # parts, not statements
-                yield name, value
+    for module in (queries, meta_queries):
+        for name, value in vars(module).items():
+            public = name[0] != "_" and name.isupper() and name[-3:] not in ("_PY", "_FN")
+            if public and isinstance(value, str) and (pg or not name.startswith("PG_")):
+                if name not in ("CLAIM_CTE", "REGISTER"):  # parts, not statements
+                    yield name, value
     d = DIALECTS[dialect]
     yield "select_now", d.select_now
     yield "register_fence", d.register_fence
@@ -172,7 +206,12 @@ def rendered(dialect: str) -> Iterator[tuple[str, str]]:
     yield "list_leases", d.list_leases
     for once, sql in d.result_insert.items():
         yield f"result_insert[once={once}]", sql
+    for once, sql in d.result_insert_meta.items():
+        yield f"result_insert_meta[once={once}]", sql
     yield "meta_set", d.meta_set
+    for success, sql in d.meta_fenced.items():
+        yield f"meta_fenced[success={success}]", sql
+    yield "meta_fence", d.meta_fence
     yield "meta_get", d.meta_get
     yield "meta_mget", d.meta_mget(1)
     yield "meta_incr", d.meta_incr
@@ -184,6 +223,8 @@ def rendered(dialect: str) -> Iterator[tuple[str, str]]:
         yield "lock_fence", d.lock_fence
         for (release, once, one_key), sql in queries.PG_COMMIT_COLOCATED.items():
             yield f"PG_COMMIT_COLOCATED[{release=}, {once=}, {one_key=}]", sql
+        for (release, once, one_key), sql in queries.PG_COMMIT_COLOCATED_META.items():
+            yield f"PG_COMMIT_COLOCATED_META[{release=}, {once=}, {one_key=}]", sql
         yield "claim_lookup", pyformat_back(queries.PG_CLAIM_LOOKUP_PY)
         yield "register_lookup", pyformat_back(queries.PG_REGISTER_LOOKUP_PY)
     else:
@@ -191,6 +232,7 @@ def rendered(dialect: str) -> Iterator[tuple[str, str]]:
         yield "renew_lease", d.renew_lease(1)
         for release in (True, False):
             yield f"result_own_lease[{release=}]", d.result_own_lease(release, 1)
+        yield "meta_commit", d.meta_commit
 
 
 def pyformat_back(sql: str) -> str:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
+from celery_lease.sql.meta_queries import _PG_META_IN_COMMIT
+
 # ---------------------------------------------------------------------------
 # Clocks: the database's own, in epoch seconds.
 
@@ -295,6 +297,15 @@ ON CONFLICT (lease_key, fencing_token) DO NOTHING
 RETURNING accepted_at
 """
 _RESULT_ONCE_GUARD = "WHERE NOT EXISTS (SELECT 1 FROM celery_lease_results WHERE lease_key = :key)"
+#: PostgreSQL, with a result backend's record to write (the task's SUCCESS in
+#: ``celery_lease_task_meta``, the ``lease+`` backend in this database): the
+#: insert (``{insert}``, ``_RESULT_INSERT`` rendered) and the record, written
+#: only if the insert was, in one statement (the commit's last round trip).
+_RESULT_INSERT_META = f"""
+WITH ins AS ({{insert}}),
+{_PG_META_IN_COMMIT}
+SELECT accepted_at FROM ins
+"""
 _RESULT_COLUMNS = """
 lease_key, fencing_token, task_id, task_name, owner_id, tenant, root_id, result, accepted_at
 """
@@ -346,61 +357,16 @@ WHERE substr(resource, 1, :internal_len) = :internal
 """
 
 
-# ---------------------------------------------------------------------------
-# The Celery result backend (celery_lease/backend.py): Celery's key-value
-# protocol over celery_lease_task_meta, rendered per dialect (``{now}``: the
-# database's clock) as ``Database.sql.meta_*``. A row past its ``expires_at``
-# reads as absent, as an expired Redis key does, until ``meta_cleanup`` deletes
-# it; ``expires_at`` NULL never expires. ``:ttl`` NULL: no expiry.
-
-#: Write a key's value (upsert) and its expiry, ``:ttl`` seconds from now.
-_META_SET = """
-INSERT INTO celery_lease_task_meta AS m (key, value, expires_at)
-VALUES (:key, :value, {now} + CAST(:ttl AS double precision))
-ON CONFLICT (key) DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at
-"""
-#: One key's value, unless expired.
-_META_GET = """
-SELECT value FROM celery_lease_task_meta
-WHERE key = :key AND (expires_at IS NULL OR expires_at > {now})
-"""
-#: The unexpired values of n keys (``:k0``, ...; rows in no particular order).
-_META_MGET = """
-SELECT key, value FROM celery_lease_task_meta
-WHERE key IN ({keys}) AND (expires_at IS NULL OR expires_at > {now})
-"""
-#: Forget a key.
-META_DELETE = "DELETE FROM celery_lease_task_meta WHERE key = :key"
-#: Add one to a key's counter and return it, in one statement (so two chord
-#: members finishing at once read 1 and 2, never 1 and 1). A missing or
-#: expired key starts again at 1 with no expiry, as Redis's INCR does.
-_META_INCR = """
-INSERT INTO celery_lease_task_meta AS m (key, value, expires_at)
-VALUES (:key, '1', NULL)
-ON CONFLICT (key) DO UPDATE SET
-    value = CASE WHEN m.expires_at IS NULL OR m.expires_at > {now}
-                 THEN CAST(CAST(m.value AS bigint) + 1 AS text) ELSE '1' END,
-    expires_at = CASE WHEN m.expires_at IS NULL OR m.expires_at > {now}
-                      THEN m.expires_at END
-RETURNING value
-"""
-#: Set an unexpired key's expiry to ``:ttl`` seconds from now (NULL: never).
-_META_EXPIRE = """
-UPDATE celery_lease_task_meta SET expires_at = {now} + CAST(:ttl AS double precision)
-WHERE key = :key AND (expires_at IS NULL OR expires_at > {now})
-"""
-#: ``backend.cleanup()`` (Celery beat's ``celery.backend_cleanup``): the expired rows.
-_META_CLEANUP = "DELETE FROM celery_lease_task_meta WHERE expires_at <= {now}"
-
-
-def _pg_commit_colocated(*, release: bool, once: bool, one_key: bool) -> str:
+def _pg_commit_colocated(*, release: bool, once: bool, one_key: bool, meta: bool = False) -> str:
     """PostgreSQL, leases in this database: check ownership on the lease rows
     (and release them), and insert the result, in one statement (one round
-    trip). Returns ``owned`` (lease rows still this owner's), ``duplicate``
-    (once mode: the key's accepted token) and ``accepted_at`` (None: nothing
-    written). The duplicate look-up reads the statement's snapshot: only the
-    lease's owner commits, and every earlier owner's commit preceded this
-    owner's claim.
+    trip); with ``meta``, also the task's SUCCESS record in
+    ``celery_lease_task_meta`` (``meta_queries._PG_META_IN_COMMIT``, written
+    only if the result row was). Returns ``owned`` (lease rows still this
+    owner's), ``duplicate`` (once mode: the key's accepted token) and
+    ``accepted_at`` (None: nothing written). The duplicate look-up reads the
+    statement's snapshot: only the lease's owner commits, and every earlier
+    owner's commit preceded this owner's claim.
 
     One text per (release, once, one key) with nothing left for the planner to
     fold, so that PostgreSQL settles on a generic plan after its first five
@@ -440,7 +406,7 @@ own AS (
     WHERE {owned}{" AND NOT EXISTS (SELECT 1 FROM dup)" if once else ""}
     ON CONFLICT (lease_key, fencing_token) DO NOTHING
     RETURNING accepted_at
-)
+){"," + chr(10) + _PG_META_IN_COMMIT if meta else ""}
 SELECT (SELECT count(*) FROM own) AS owned,
        {"(SELECT fencing_token FROM dup)" if once else "CAST(NULL AS bigint)"} AS duplicate,
        (SELECT accepted_at FROM ins) AS accepted_at
@@ -453,6 +419,11 @@ PG_COMMIT_COLOCATED: dict[tuple[bool, bool, bool], str] = {
     for release in (True, False)
     for once in (True, False)
     for one_key in (True, False)
+}
+#: The same, with the task's SUCCESS record in the result backend's table.
+PG_COMMIT_COLOCATED_META: dict[tuple[bool, bool, bool], str] = {
+    flags: _pg_commit_colocated(release=flags[0], once=flags[1], one_key=flags[2], meta=True)
+    for flags in PG_COMMIT_COLOCATED
 }
 
 
@@ -476,3 +447,6 @@ PG_REGISTER_LOOKUP_PY = (
     f"SELECT * FROM {REGISTER_LOOKUP_FN}(%(key)s, %(token)s, %(task_id)s, %(once)s)"
 )
 PG_COMMIT_COLOCATED_PY = {flags: pyformat(sql) for flags, sql in PG_COMMIT_COLOCATED.items()}
+PG_COMMIT_COLOCATED_META_PY = {
+    flags: pyformat(sql) for flags, sql in PG_COMMIT_COLOCATED_META.items()
+}

@@ -191,6 +191,39 @@ def test_sql_store_is_the_default_result_database() -> None:
     assert cfg.result_url == "postgresql+psycopg://db/proj"
 
 
+def test_a_lease_backend_is_the_default_result_database(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``result_backend = "lease+X"`` and no ``lease_result_url``: the results go to
+    X, so a leased task's accepted row and its SUCCESS share one transaction."""
+    with caplog.at_level("WARNING", logger="celery_lease.config"):
+        cfg = Config.from_app(
+            _app(
+                result_backend="lease+postgresql+psycopg://db/proj",
+                lease_store_url="redis://127.0.0.1:6379/1",
+            )
+        )
+    assert cfg.result_url == "postgresql+psycopg://db/proj"
+    assert "lease_result_url is not set" not in caplog.text  # no embedded SQLite file
+    # Before an SQL store's own database too; Celery(backend=...) reads the same.
+    app = Celery("settings-test", backend="lease+sqlite:///states.sqlite3", set_as_current=False)
+    app.conf.lease_store_url = "postgresql+psycopg://db/leases"
+    assert Config.from_app(app).result_url == "sqlite:///states.sqlite3"
+    # lease_result_url set: it wins (and the backend's SUCCESS is a write of its own).
+    cfg = Config.from_app(
+        _app(
+            result_backend="lease+postgresql+psycopg://db/states",
+            lease_result_url="postgresql+psycopg://db/results",
+        )
+    )
+    assert cfg.result_url == "postgresql+psycopg://db/results"
+    # Any other backend: as before.
+    cfg = Config.from_app(
+        _app(result_backend="redis://127.0.0.1:6379/2", lease_store_url="postgresql+psycopg://db/p")
+    )
+    assert cfg.result_url == "postgresql+psycopg://db/p"
+
+
 def test_good_settings_are_read() -> None:
     cfg = Config.from_app(
         _app(

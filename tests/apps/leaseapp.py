@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from celery import Celery
+from celery import Celery, states
+from celery.exceptions import Ignore
 
 from celery_lease import LeasedTask
 
@@ -126,8 +127,25 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
         """The README's task shape: a key template that names one argument of two."""
         return _body(self, f"payment-security-{api_id}", work_s, "", env("CL_LOG"))
 
+    @app.task(base=LeasedTask, bind=True, shared=False, name="leaseapp.report", lease_key="{key}")
+    def report(self: Any, key: str, sleep: float = 0.0, tag: str = "") -> Any:
+        """Runs like ``work``; a copy that finds it lost its lease on the way (a
+        pause past its TTL) reports FAILURE itself, Celery's documented way
+        (``update_state(state=FAILURE)``, then ``Ignore``)."""
+        value = _body(self, key, sleep, tag, env("CL_LOG"))
+        if not self.lease.held:
+            record(env("CL_LOG"), "report_failure", task_id=self.request.id, tag=tag)
+            self.update_state(
+                state=states.FAILURE,
+                meta={"exc_type": "RuntimeError", "exc_message": ["lost its lease"]},
+            )
+            record(env("CL_LOG"), "reported", task_id=self.request.id, tag=tag)
+            raise Ignore()
+        return value
+
     tasks.fail_on = fail_on
     tasks.suite = suite
+    tasks.report = report
 
     @app.task(
         base=DieAfterCommit,
@@ -191,6 +209,11 @@ def record(path: str | None, event: str, **fields: Any) -> None:
 
 def _body(task: Any, key: str, sleep: float, tag: str, log: str | None) -> dict[str, Any]:
     lease = task.lease
+    counted = {}
+    if os.environ.get("CL_COUNT_PG") == "1":
+        from celery_lease.sql import PG_TRAFFIC
+
+        counted = {"pg_round_trips": PG_TRAFFIC["round_trips"]}
     record(
         log,
         "start",
@@ -200,6 +223,7 @@ def _body(task: Any, key: str, sleep: float, tag: str, log: str | None) -> dict[
         tag=tag,
         hostname=task.request.hostname,
         redelivered=bool((task.request.delivery_info or {}).get("redelivered")),
+        **counted,
     )
     deadline = time.monotonic() + sleep
     while time.monotonic() < deadline:
@@ -208,6 +232,18 @@ def _body(task: Any, key: str, sleep: float, tag: str, log: str | None) -> dict[
         log, "end", task_id=task.request.id, key=key, token=lease.token, tag=tag, held=lease.held
     )
     return {"key": key, "token": lease.token, "tag": tag, "pid": os.getpid()}
+
+
+if os.environ.get("CL_COUNT_PG") == "1":
+    from celery.signals import worker_process_init
+
+    @worker_process_init.connect(weak=False)
+    def _count_pg(**_: Any) -> None:
+        """Count this pool process's PostgreSQL round trips (each body start logs
+        the count so far: tests/acceptance/test_result_backend_fenced.py)."""
+        from celery_lease.sql import count_pg_traffic
+
+        count_pg_traffic()
 
 
 if os.environ.get("CL_TRACEMALLOC") == "1":

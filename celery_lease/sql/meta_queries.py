@@ -1,0 +1,120 @@
+"""The Celery result backend's statements (celery_lease/backend.py), by name.
+
+Celery's key-value protocol over ``celery_lease_task_meta``, rendered per
+dialect (``{now}``: the database's clock) as ``Database.sql.meta_*`` by
+:mod:`celery_lease.sql.dialects`. A row past its ``expires_at`` reads as
+absent, as an expired Redis key does, until ``meta_cleanup`` deletes it;
+``expires_at`` NULL never expires. ``:ttl`` NULL: no expiry.
+
+**Fencing.** A leased task's writes carry its lease's token (``token``
+column): the statements below refuse, atomically, what Celery's key-value
+code only checks with a read before its write (a SUCCESS is never
+overwritten), and what it cannot check at all (a copy whose lease was taken
+over writing over the newer owner's state). The fenced commit writes the
+task's SUCCESS record inside its own transaction (``_PG_META_IN_COMMIT``,
+``_META_COMMIT``). A row past its expiry is absent for all of them.
+
+Kept apart from :mod:`celery_lease.sql.queries` (the leases and the fenced
+results) so that each module stays readable; the same rules hold: parameters
+always bound, every statement named once, call sites never assemble text.
+"""
+
+from __future__ import annotations
+
+#: The state inside a record's JSON value (``{col}``), per dialect. Only ever
+#: evaluated for a row with a token (a leased task's record), never for a
+#: chord counter or a group: every use sits behind ``m.token IS NULL`` in a CASE.
+STATUS = {
+    "postgresql": "(CAST({col} AS json) ->> 'status')",
+    "sqlite": "json_extract({col}, '$.status')",
+}
+#: The row is there but past its expiry: absent, as an expired Redis key is.
+_EXPIRED = "m.expires_at IS NOT NULL AND m.expires_at <= {now}"
+
+#: Write a key's value (upsert) and its expiry, ``:ttl`` seconds from now.
+#: A write without a token (Celery's own path: a task that is not leased, a
+#: leased task's copy that holds no lease, a revoke) never replaces the
+#: unexpired SUCCESS of a row that has one (a leased task's record), in the
+#: same statement; it keeps the row's token. No row returned: refused.
+_META_SET = f"""
+INSERT INTO celery_lease_task_meta AS m (key, value, expires_at)
+VALUES (:key, :value, {{now}} + CAST(:ttl AS double precision))
+ON CONFLICT (key) DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at
+WHERE CASE WHEN m.token IS NULL THEN TRUE
+           WHEN {_EXPIRED} THEN TRUE
+           ELSE COALESCE({{status}}, '') <> 'SUCCESS' END
+RETURNING key
+"""
+#: A leased task's state write, fenced by its writer's token (``:token``),
+#: by whether it writes a SUCCESS (``{over_success}``). Refused, in the same
+#: statement, over an unexpired row whose token is larger (a newer owner
+#: wrote it), and over an unexpired SUCCESS unless this write is a SUCCESS
+#: too (with a token at least the row's). The row takes the writer's token.
+#: No row returned: refused.
+_META_FENCED = f"""
+INSERT INTO celery_lease_task_meta AS m (key, value, expires_at, token)
+VALUES (:key, :value, {{now}} + CAST(:ttl AS double precision), :token)
+ON CONFLICT (key) DO UPDATE SET
+    value = excluded.value, expires_at = excluded.expires_at, token = excluded.token
+WHERE CASE WHEN {_EXPIRED} THEN TRUE
+           WHEN m.token IS NOT NULL AND m.token > excluded.token THEN FALSE
+           ELSE {{over_success}} END
+RETURNING key
+"""
+#: ``_META_FENCED``'s last condition: a SUCCESS may replace a SUCCESS, nothing else may.
+_OVER_SUCCESS = {True: "TRUE", False: "COALESCE({status}, '') <> 'SUCCESS'"}
+#: What a refused write met: the row's token and state (for the log line).
+_META_FENCE = "SELECT token, {status} AS status FROM celery_lease_task_meta WHERE key = :key"
+#: The upsert of the fenced commit's record (the accepted SUCCESS and the
+#: lease's token): the commit was accepted, so it replaces whatever the row held.
+_META_COMMIT_UPSERT = """ON CONFLICT (key) DO UPDATE SET
+    value = excluded.value, expires_at = excluded.expires_at, token = excluded.token"""
+#: SQLite: the fenced commit's record, run right after the result insert
+#: accepted it, in the commit's transaction.
+_META_COMMIT = f"""
+INSERT INTO celery_lease_task_meta AS m (key, value, expires_at, token)
+VALUES (:meta_key, :meta_value, {{now}} + CAST(:meta_ttl AS double precision), :token)
+{_META_COMMIT_UPSERT}
+"""
+#: PostgreSQL: the fenced commit's record as a part of the commit's one
+#: statement (``queries._pg_commit_colocated``, ``queries._RESULT_INSERT_META``),
+#: written only if the result row was: ``ins`` is the insert, its RETURNING
+#: one row (accepted) or none.
+_PG_META_IN_COMMIT = f"""meta AS (
+    INSERT INTO celery_lease_task_meta AS m (key, value, expires_at, token)
+    SELECT :meta_key, :meta_value, ins.accepted_at + CAST(:meta_ttl AS double precision), :token
+    FROM ins
+    {_META_COMMIT_UPSERT}
+)"""
+#: One key's value, unless expired.
+_META_GET = """
+SELECT value FROM celery_lease_task_meta
+WHERE key = :key AND (expires_at IS NULL OR expires_at > {now})
+"""
+#: The unexpired values of n keys (``:k0``, ...; rows in no particular order).
+_META_MGET = """
+SELECT key, value FROM celery_lease_task_meta
+WHERE key IN ({keys}) AND (expires_at IS NULL OR expires_at > {now})
+"""
+#: Forget a key.
+META_DELETE = "DELETE FROM celery_lease_task_meta WHERE key = :key"
+#: Add one to a key's counter and return it, in one statement (so two chord
+#: members finishing at once read 1 and 2, never 1 and 1). A missing or
+#: expired key starts again at 1 with no expiry, as Redis's INCR does.
+_META_INCR = """
+INSERT INTO celery_lease_task_meta AS m (key, value, expires_at)
+VALUES (:key, '1', NULL)
+ON CONFLICT (key) DO UPDATE SET
+    value = CASE WHEN m.expires_at IS NULL OR m.expires_at > {now}
+                 THEN CAST(CAST(m.value AS bigint) + 1 AS text) ELSE '1' END,
+    expires_at = CASE WHEN m.expires_at IS NULL OR m.expires_at > {now}
+                      THEN m.expires_at END
+RETURNING value
+"""
+#: Set an unexpired key's expiry to ``:ttl`` seconds from now (NULL: never).
+_META_EXPIRE = """
+UPDATE celery_lease_task_meta SET expires_at = {now} + CAST(:ttl AS double precision)
+WHERE key = :key AND (expires_at IS NULL OR expires_at > {now})
+"""
+#: ``backend.cleanup()`` (Celery beat's ``celery.backend_cleanup``): the expired rows.
+_META_CLEANUP = "DELETE FROM celery_lease_task_meta WHERE expires_at <= {now}"
