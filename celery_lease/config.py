@@ -420,17 +420,16 @@ class Config:
                 setting.name, setting.default if value is None else value
             )
         store_url = values["store_url"]
-        from celery_lease.backend import lease_backend_database
-
-        if values["result_url"] is None and (backend_db := lease_backend_database(app)):
-            # One database for the accepted rows and the task states: the commit
-            # writes both in one transaction (docs/result-backend.md).
-            values["result_url"] = _url("lease_result_url", backend_db)
         if values["result_url"] is None:
-            values["result_url"] = _url(
-                "lease_result_url", store_url if is_sql_url(store_url) else DEFAULT_SQLITE_URL
+            from celery_lease.backend import lease_backend_database
+
+            # The lease+ backend's database first: the commit then writes the
+            # accepted row and the task's state in one transaction.
+            default = lease_backend_database(app) or (
+                store_url if is_sql_url(store_url) else DEFAULT_SQLITE_URL
             )
-            if not is_sql_url(store_url):
+            values["result_url"] = _url("lease_result_url", default)
+            if default == DEFAULT_SQLITE_URL and not is_sql_url(store_url):
                 logger.warning(
                     "lease_result_url is not set: accepted results go to the embedded SQLite "
                     "file %s, which workers on other machines cannot see; set "

@@ -38,8 +38,9 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
 from celery_lease import DuplicateResult, Lease, StaleFencingToken
-from celery_lease.backend import WRITER_ATTR, LeaseBackend, LeaseWriter, commit_record
+from celery_lease.backend import WRITER_ATTR, LeaseWriter, commit_record
 from celery_lease.sql import PG_TRAFFIC, count_pg_traffic
+from tests.contract.test_result_backend import backend_of
 from tests.results_helpers import PAIRINGS, Pairing, make_pairing, new_key, wait_until_expired
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,12 +61,6 @@ def app(pairing: Pairing) -> Iterator[Celery]:
     app.conf.result_extended = True
     yield app
     app.close()
-
-
-def backend_of(app: Celery) -> LeaseBackend:
-    backend = app.backend
-    assert isinstance(backend, LeaseBackend)
-    return backend
 
 
 def request_for(task_id: str, token: int | None, **fields: Any) -> Context:
