@@ -174,5 +174,17 @@ def wait_log(path: Path, predicate: Any, timeout: float, what: str) -> list[dict
     )
 
 
+def celery_cli(env: Mapping[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """``celery -A tests.apps.leaseapp ARGS...`` in a subprocess, configured by ``env``."""
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.apps.leaseapp", *args],
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def now() -> float:
     return time.time()

@@ -11,10 +11,7 @@ tasks and a callback, each checked in ``celery_lease_task_meta`` too.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +28,7 @@ from celery_lease.sql import database
 from celery_lease.urls import redact_url
 from tests.apps.leaseapp import build
 from tests.servers import PostgresServer, RedisServer
-from tests.workers import ROOT, Worker
+from tests.workers import Worker, celery_cli
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,17 +39,6 @@ class Deployment:
     tasks: Any
     backend_db: str  # the database after "lease+"
     worker: Worker
-
-
-def celery_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "celery", "-A", "tests.apps.leaseapp", *args],
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,16 @@ not set: it defaults to the backend's database), with the leases in Redis
    token) and after it committed (SUCCESS, its value and token). Also for a
    ``lease_commit=False`` task, whose stale SUCCESS Celery itself would have
    written over the newer owner's STARTED (and then kept over its SUCCESS).
+3. One truth for every reader, with the workers sending events to a real
+   Flower: for a chord over leased tasks and for a task id whose first copy
+   went stale, ``AsyncResult.get()``, the backend's row, ``celery -A ... lease
+   results KEY --json`` and Flower's ``/api/task/info`` give the accepted
+   value and token, and the chord's callback got exactly those values.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import uuid
 from collections.abc import Callable, Iterator
@@ -36,10 +42,11 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
 import celery_lease
-from celery_lease import LeaseStore
+from celery_lease import LeaseStore, events
 from tests.apps.leaseapp import build
+from tests.flower import Flower
 from tests.servers import PostgresServer, RedisServer, wait_for
-from tests.workers import Worker, _state, read_log
+from tests.workers import Worker, _state, celery_cli, read_log
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.redis]
 
@@ -87,10 +94,10 @@ class Deployment:
         )
         return rows[0]
 
-    def start(self, tmp_path: Path, *names: str) -> None:
+    def start(self, tmp_path: Path, *names: str, args: tuple[str, ...] = ()) -> None:
         """Start workers ``names``, each consuming queue ``q<name>``."""
         for name in names:
-            worker = Worker(name, self.env, tmp_path, extra_args=("-Q", f"q{name}"))
+            worker = Worker(name, self.env, tmp_path, extra_args=("-Q", f"q{name}", *args))
             self.workers[name] = worker.start()
 
     def close(self) -> None:
@@ -103,11 +110,12 @@ class Deployment:
 def deploy(
     redis: RedisServer, pg_db: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., Deployment]]:
-    """``deploy(store, *workers, **env)``: a deployment of its own (broker and
-    lease store in Redis databases of their own), its workers started."""
+    """``deploy(store, *workers, args=(), **env)``: a deployment of its own (broker
+    and lease store in Redis databases of their own), its workers started (with
+    ``args`` on their command lines)."""
     made: list[Deployment] = []
 
-    def make(store: str, *workers: str, **env: str) -> Deployment:
+    def make(store: str, *workers: str, args: tuple[str, ...] = (), **env: str) -> Deployment:
         n = len(made) + 1
         tmp_path = tmp_path_factory.mktemp(f"deployment-{n}")
         exec_log = tmp_path / "exec.log"
@@ -122,7 +130,7 @@ def deploy(
         app, tasks = build(environ)
         d = Deployment(environ, app, tasks, pg_db, store_url, exec_log, {})
         made.append(d)
-        d.start(tmp_path, *workers)
+        d.start(tmp_path, *workers, args=args)
         return d
 
     yield make
@@ -328,3 +336,85 @@ def test_a_stale_lock_only_copy_cannot_replace_the_newer_owners_result(pair: Dep
     assert value["tag"] == "B"
     row = meta_row(d.db, task_id)
     assert row is not None and (row["result"]["tag"], row["token"]) == ("B", b_token)
+
+
+# -- 3. Flower, AsyncResult, a chord and the CLI read one truth -----------------------
+
+
+@pytest.fixture(scope="module", params=STORES, ids=IDS)
+def watched(
+    request: pytest.FixtureRequest,
+    deploy: Callable[..., Deployment],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Deployment, Flower]]:
+    """The pair of workers sending task events (``-E``), and a Flower watching them."""
+    d = deploy(request.param, "a", "b", args=("-E",), CL_TTL="2")
+    flower = Flower(d.env, tmp_path_factory.mktemp("flower"))
+    try:
+        flower.start()
+        # Flower receives the workers' events before the test sends anything.
+        warmup = d.tasks.add.apply_async((1, 1), queue="qb")
+        assert warmup.get(timeout=30) == 2
+        flower.wait_state(warmup.id, states.SUCCESS, 30, "the warm-up task")
+        yield d, flower
+    finally:
+        d.workers["a"].cont_group()
+        flower.stop()
+
+
+def one_truth(d: Deployment, flower: Flower, task_id: str, key: str) -> Any:
+    """The accepted value of ``key`` as ``AsyncResult.get()``, the backend's row,
+    ``celery -A ... lease results KEY --json`` and Flower each give it; all equal."""
+    value = d.app.AsyncResult(task_id).get(timeout=60)
+    row = meta_row(d.db, task_id)
+    assert row is not None and (row["status"], row["result"], row["token"]) == (
+        states.SUCCESS,
+        value,
+        value["token"],
+    )
+    listed = celery_cli(d.env, "lease", "results", key, "--json")
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    (accepted,) = json.loads(listed.stdout)  # one accepted result for the key
+    assert (accepted["task_id"], accepted["token"], accepted["value"]) == (
+        task_id,
+        value["token"],
+        value,
+    )
+    flower.wait_state(task_id, states.SUCCESS, 30, "a leased task")
+    seen = flower.get(f"/api/task/info/{task_id}")
+    assert ast.literal_eval(seen["result"]) == value  # Flower keeps the result's repr
+    return value
+
+
+def test_flower_asyncresult_a_chord_and_the_cli_read_one_truth(
+    watched: tuple[Deployment, Flower],
+) -> None:
+    """A chord over leased tasks, and one task id whose first copy went stale: the
+    stale copy's FENCED reached Flower (the backend kept the newer owner's
+    state), and every reader ends on the value the fenced table accepted."""
+    d, flower = watched
+    keys = [f"truth-{uuid.uuid4().hex}" for _ in range(3)]
+    header = [d.tasks.work.s(k, 0.0, f"c{i}").set(queue="qb") for i, k in enumerate(keys)]
+    joined = chord(header, d.tasks.collect.s().set(queue="qb")).apply_async()
+    collected = joined.get(timeout=60)
+    assert joined.parent is not None
+    members = [m.id for m in joined.parent.results]
+    assert collected == [one_truth(d, flower, m, k) for m, k in zip(members, keys)]
+
+    key = f"truth-{uuid.uuid4().hex}"
+    task_id = a_pauses_b_takes_over(d, d.tasks.work, key, 8.0)
+    before = meta_row(d.db, task_id)
+    d.workers["a"].cont_group()
+    # A resumes and ends its body; its commit is refused (B holds a newer token)
+    # and it leaves the outcome to B: FENCED, then a deferred copy, in Flower...
+    fenced = f"FENCED {task_id} key={key}"
+    wait_for(lambda: fenced in d.workers["a"].log_text(), 20, "A's commit to be refused")
+    stale_states = (events.FENCED, events.LEASE_DEFERRED)
+    wait_for(lambda: flower.state(task_id) in stale_states, 20, "Flower to see the stale copy")
+    # ... while the backend still holds B's STARTED and B still works.
+    assert meta_row(d.db, task_id) == before
+    assert before is not None and before["status"] == states.STARTED
+    assert not d.rows("end", task_id, "B"), "B must still be working"
+    # Then B commits, and every reader says B's value.
+    value = one_truth(d, flower, task_id, key)
+    assert (value["tag"], value["token"]) == ("B", before["token"])
