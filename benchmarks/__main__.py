@@ -18,7 +18,7 @@ from benchmarks.common import ROOT, Env, Section, log, machine, start_env
 #: module names, in the order they run and appear in BENCHMARKS.md
 BENCHMARKS = [
     "primitives", "per_task", "round_trips", "renewal", "contention", "growth", "memory",
-    "redis_ha",
+    "redis_ha", "backends",
 ]  # fmt: skip
 
 

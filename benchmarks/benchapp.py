@@ -22,6 +22,8 @@ Variables:
   commit's); ``BENCH_FLOOR_PROTOCOL=1`` (PostgreSQL, a migrated celery-lease database):
   celery-lease's own two statements for one key (the claim-and-look-up call, the
   commit-and-release) sent with raw psycopg, no celery-lease code around them
+- ``BENCH_RESULT_BACKEND``: ``result_backend``, and every task's state stored
+  (``task_ignore_result`` off); unset: no result backend, nothing stored
 - ``BENCH_TIMES_DIR``: where completion times go
 - ``BENCH_SQL_TRACE``: count SQLite statements (the count is written with each time),
   and PostgreSQL round trips and statements as celery-lease's driver layer sends them
@@ -162,14 +164,17 @@ class _Floor:
         cursor.fetchone()
 
 
-def build(environ: Mapping[str, str]) -> tuple[Celery, Any]:
+def build(environ: Mapping[str, str], *, backend: bool = True) -> tuple[Celery, Any]:
+    """The app and its task; ``backend=False``: publish as the workers' app would (the
+    messages ask for the result to be stored) but with no result backend of its own."""
     env = environ.get
     kind = env("BENCH_KIND", "plain")
     queue = env("BENCH_QUEUE", "bench")
     app = Celery(f"bench_{kind}", broker=env("BENCH_BROKER", "redis://127.0.0.1:6379/0"))
+    stored = env("BENCH_RESULT_BACKEND")
     app.conf.update(
-        result_backend=None,
-        task_ignore_result=True,
+        result_backend=stored if stored and backend else None,
+        task_ignore_result=not stored,  # apply_async puts it in the message
         task_default_queue=queue,
         task_acks_late=True,
         task_reject_on_worker_lost=True,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pstats
 
 from benchmarks import statements
@@ -22,6 +21,7 @@ from benchmarks.common import (
     target_line,
     top_functions,
 )
+from benchmarks.drains import Tally, cpu_table
 from benchmarks.workers import FLOORS, KINDS, Kind, Targets, WorkerRun, drain
 
 NAME = "per_task"
@@ -66,31 +66,14 @@ def run(env: Env) -> Section:
     #: the quick pass runs prefork for plain and one LeasedTask configuration only
     quick_prefork = ["plain", "leased-redis-pg"]
     results: dict[str, dict[str, list[float]]] = {}
-    enqueue: dict[str, dict[str, list[float]]] = {}
-    cpu: dict[str, dict[str, list[dict[str, float]]]] = {}
-    errors: list[str] = []
+    tally = Tally(NAME, n)
     try:
         for pool in POOLS:
             these = [k for k in runnable if not (env.quick and pool == "prefork")
                      or k in quick_prefork]  # fmt: skip
-            enqueue[pool] = {k: [] for k in these}
-            cpu[pool] = {k: [] for k in these}
 
             def measure(key: str, r: int, pool: str = pool) -> float | None:
-                res = drain(targets, kinds[key], pool, n)
-                enqueue[pool][key].append(res.enqueue_rate)
-                log(
-                    f"{NAME}: {pool} round {r + 1}: {key}: {fmt_rate(res.rate)} tasks/s "
-                    f"({res.completed}/{n})"
-                )
-                if res.error or res.completed != n:
-                    errors.append(f"{pool} / {key}: {res.completed}/{n} done; {res.error or ''}")
-                    return None
-                if res.cpu is not None:
-                    cpu[pool][key].append(
-                        {**res.cpu, "cores": res.cpu["machine"] * res.rate / 1000}
-                    )
-                return res.rate
+                return tally.record(pool, key, r, drain(targets, kinds[key], pool, n))
 
             results[pool] = interleave(these, rounds, measure)
 
@@ -149,7 +132,7 @@ def run(env: Env) -> Section:
                     fmt_rate(rate),
                     f"{1000 / rate:.2f}" if rate == rate and rate else "n/a",
                     "1.00\u00d7" if key == "plain" else fmt_ratio(ratios[key]),
-                    fmt_rate(median(enqueue[pool][key])),
+                    fmt_rate(median(tally.enqueue[pool][key])),
                     tgt,
                 )
             for key, why in skipped.items():
@@ -200,15 +183,13 @@ def run(env: Env) -> Section:
                 "above plain, (1 ÷ ratio - 1) \u00d7 plain's median ms per task.\n\n"
                 + "\n".join(f"- {line}" for line in floor_lines)
             )
-        section.add(_cpu_table(cpu, kinds))
+        section.add(cpu_table(tally.cpu, kinds))
         if not env.quick:
             plain_prefork = median(results.get("prefork", {}).get("plain", []))
             section.add(statements.run(env, n=2000, rounds=3, plain_prefork=plain_prefork))
-        if errors:
-            section.add(
-                "Runs that did not complete (left out of the medians):\n\n"
-                + "\n".join(f"- {e}" for e in errors)
-            )
+        left_out = tally.left_out()
+        if left_out:
+            section.add(left_out)
         if misses and not env.quick:
             section.add(_profile(targets, misses, n=min(n, 1000)))
         elif misses:
@@ -216,46 +197,6 @@ def run(env: Env) -> Section:
     finally:
         targets.close()
     return section
-
-
-CPU_GROUPS = ["worker", "PostgreSQL", "Redis"]
-
-
-def _cpu_table(cpu: dict[str, dict[str, list[dict[str, float]]]], kinds: dict[str, Kind]) -> str:
-    """CPU per task by process group (medians over rounds), and how busy the machine was."""
-    table = Table(
-        ["pool", "contender", "worker", "of which main process", "PostgreSQL",
-         "Redis (broker, store)", "other", "all processes", "cores busy", "iowait"],
-        align="llrrrrrrrr",
-    )  # fmt: skip
-    for pool, by_key in cpu.items():
-        for key, rounds in by_key.items():
-            if not rounds:
-                continue
-
-            def med(name: str, rounds: list[dict[str, float]] = rounds) -> float:
-                return median([r[name] for r in rounds])
-
-            other = median([r["machine"] - sum(r[g] for g in CPU_GROUPS) for r in rounds])
-            table.add(
-                pool, kinds[key].label, f"{med('worker'):.2f}", f"{med('worker main'):.2f}",
-                *(f"{med(g):.2f}" for g in CPU_GROUPS[1:]), f"{other:.2f}",
-                f"{med('machine'):.2f}", f"{med('cores'):.2f} of {os.cpu_count()}",
-                f"{med('iowait'):.2f}",
-            )  # fmt: skip
-    return (
-        "**CPU per task (ms), by process, from the first to the last completion** "
-        "(`/proc` sampled every 0.1 s, interpolated at the two completions; median over "
-        "rounds). *worker*: the `celery worker` process and its pool processes, "
-        "celery-lease's and the driver libraries' Python included (*of which main "
-        "process*: the worker's own process, which consumes, dispatches to the pool and "
-        "acknowledges; with `-P solo` it also runs the tasks); *PostgreSQL*: the "
-        "private cluster's processes (the statements' server work); *Redis*: the private "
-        "broker and store servers; *other*: the rest of the machine (this runner, system); "
-        "*cores busy*: all processes' CPU over the wall time. Where *cores busy* is at the "
-        "machine's core count the drain is CPU-bound and its rate is the cores divided by "
-        "*all processes*; below it, the worker also waits (locks, disk).\n\n" + table.markdown()
-    )
 
 
 def _profile(targets: Targets, misses: list[Kind], n: int) -> str:

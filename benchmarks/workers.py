@@ -35,6 +35,9 @@ class Kind:
     writes: int = 1  # floor: committed writes per task
     protocol: bool = False  # floor: celery-lease's own PostgreSQL statements, sent raw
     redis_hops: bool = False  # floor: the Redis + PostgreSQL commit order, trivial commands
+    #: the result backend, every task's state stored: "db" (Celery's SQLAlchemy backend,
+    #: PostgreSQL), "lease" (lease+, the PostgreSQL store's database), "redis"; None: none
+    backend: str | None = None
 
 
 KINDS = [
@@ -92,6 +95,7 @@ class Targets:
     pg_both: str | None = None  # PostgreSQL store + results
     sqlite: str | None = None
     floor_sqlite: str | None = None  # the floors' SQLite file (a sibling of ``sqlite``)
+    pg_celery: str | None = None  # Celery's database backend (made at its first use)
     unavailable: dict[str, str] = field(default_factory=dict)
     _floors_ready: set[str] = field(default_factory=set)
 
@@ -106,14 +110,14 @@ class Targets:
         return t
 
     def close(self) -> None:
-        for url in (self.pg_redis_results, self.pg_both):
+        for url in (self.pg_redis_results, self.pg_both, self.pg_celery):
             if url:
                 with contextlib.suppress(Exception):
                     self.env.pg_drop(url)
 
     def available(self, k: Kind) -> str | None:
         """None if ``k`` can run here, else why not."""
-        if "pg" in (k.store, k.results) and not self.env.has_pg:
+        if ("pg" in (k.store, k.results) or k.backend in ("db", "lease")) and not self.env.has_pg:
             return "no PostgreSQL"
         if k.kind in ("once", "singleton", "fencekit"):
             return probe_peer(k.kind)
@@ -133,10 +137,14 @@ class Targets:
                 "pg": self.pg_both,
                 "sqlite": self.sqlite,
             }[k.store or ""]
-            results = {"pg": self.pg_redis_results if k.store == "redis" else self.pg_both,
-                       "sqlite": self.sqlite}[k.results or ""]  # fmt: skip
             v["BENCH_STORE"] = str(store)
-            v["BENCH_RESULTS"] = str(results)
+            if k.results:  # else lease_result_url is unset (its default)
+                v["BENCH_RESULTS"] = str(
+                    {
+                        "pg": self.pg_redis_results if k.store == "redis" else self.pg_both,
+                        "sqlite": self.sqlite,
+                    }[k.results]
+                )
             if not k.commit:
                 v["BENCH_LEASE_COMMIT"] = "0"
         elif k.kind == "floor":
@@ -157,7 +165,29 @@ class Targets:
                 assert self.pg_both is not None
                 v["BENCH_FLOOR_PG"] = self.env.pg_dsn(self.pg_both.rsplit("/", 1)[1])
                 v["BENCH_FLOOR_PROTOCOL"] = "1"
+        if k.backend:
+            v["BENCH_RESULT_BACKEND"] = self.backend_url(k.backend)
         return v
+
+    def backend_url(self, backend: str) -> str:
+        """``result_backend`` for a kind's backend: Celery's Redis backend (the lease
+        store's Redis and database), lease+ (the PostgreSQL store's database), or
+        Celery's database backend (a database of its own, its tables made here once)."""
+        if backend == "redis":
+            return self.env.store_url(self.db)
+        assert self.pg_both is not None
+        if backend == "lease":
+            return f"lease+{self.pg_both}"
+        if self.pg_celery is None:
+            self.pg_celery = self.env.pg_database("celerydb", migrate=False)
+            from celery import Celery
+
+            # database_create_tables_at_setup (Celery's default): a backend makes its
+            # tables when it is built; made here, no worker races another to it
+            with Celery("bench-tables", set_as_current=False) as app:
+                app.conf.result_backend = f"db+{self.pg_celery}"
+                app.backend.ResultSession().close()
+        return f"db+{self.pg_celery}"
 
     def _prepare_floor(self, k: Kind) -> None:
         """Create the floor's table before its worker starts (once per store)."""
@@ -212,6 +242,9 @@ class RunResult:
     #: process alone; ``PostgreSQL``; ``Redis``:
     #: broker and store; ``machine``: every process; ``iowait``); None if unknown
     cpu: dict[str, float] | None = None
+    #: the state the result backend holds for the first and the last task sent, by
+    #: task id (kinds with a backend, after a complete drain); None otherwise
+    stored: dict[str, str] | None = None
 
 
 class WorkerRun:
@@ -235,7 +268,11 @@ class WorkerRun:
         self.times_dir.mkdir(parents=True)
         self.vars = targets.variables(kind, self.queue, self.times_dir)
         self.vars.update(extra_env or {})
-        self.app, self.task = benchapp.build(self.vars)
+        # The publisher has no result backend (the workers have it): Celery's Redis
+        # backend would subscribe it to every task's result channel (``on_task_call``).
+        self.app, self.task = benchapp.build(self.vars, backend=False)
+        self.first_id: str | None = None
+        self.last_id: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = self.dir / "worker.log"
         self._arg = itertools.count()
@@ -245,8 +282,19 @@ class WorkerRun:
         t0 = time.perf_counter()
         with self.app.producer_or_acquire() as producer:
             for _ in range(n):
-                self.task.apply_async((f"{self.id}-{next(self._arg)}",), producer=producer)
+                sent = self.task.apply_async((f"{self.id}-{next(self._arg)}",), producer=producer)
+                self.first_id = self.first_id or sent.id
+                self.last_id = sent.id
         return n / (time.perf_counter() - t0)
+
+    def stored_states(self) -> dict[str, str]:
+        """The state the workers' result backend holds for the first and the last task
+        sent, read with an app configured as theirs."""
+        app, _ = benchapp.build(self.vars)
+        try:
+            return {t: str(app.AsyncResult(t).state) for t in (self.first_id, self.last_id) if t}
+        finally:
+            app.close()
 
     def start(self) -> None:
         from tests.servers import _spawn
@@ -345,6 +393,7 @@ def drain(targets: Targets, kind: Kind, pool: str, n: int, **kwargs: Any) -> Run
             f"{kind.key}/{pool}: enqueue {t1 - t0:.2f} s, start+drain {t2 - t1:.2f} s, "
             f"stop {time.monotonic() - t2:.2f} s"
         )
+        stored = run.stored_states() if kind.backend and not error else None
         times = run.times()
         if error:
             log(f"{kind.key}/{pool}: {error}")
@@ -358,6 +407,6 @@ def drain(targets: Targets, kind: Kind, pool: str, n: int, **kwargs: Any) -> Run
             spent = sampler.between(times[0][0], times[-1][0])
             if spent is not None:
                 cpu = {name: s * 1000 / (len(times) - 1) for name, s in spent.items()}
-        return RunResult(n, len(times), rate, enq, span, times, error, cpu)
+        return RunResult(n, len(times), rate, enq, span, times, error, cpu, stored)
     finally:
         run.cleanup()
