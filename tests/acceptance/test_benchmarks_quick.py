@@ -29,6 +29,7 @@ EXPECTED = {
     "## 6. Growth": "| configuration | live leases + results | claim p50 |",
     "## 7. Memory": "| pool | contender | process | RSS at start kB |",
     "## 8. Redis Sentinel and Cluster": "| deployment | contender | pairs/s |",
+    "## 9. With a result backend": "| pool | contender | tasks/s (median) | ms per task |",
 }
 
 
