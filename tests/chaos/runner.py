@@ -38,7 +38,7 @@ from typing import Any
 import redis
 from sqlalchemy import create_engine, text
 
-from tests.chaos import aof
+from tests.chaos import aof, stacks
 from tests.chaos.checker import (
     FINAL,
     Accepted,
@@ -211,6 +211,8 @@ class Run:
         )
         self.rng = random.Random(opts.seed * 7919 + 1)
         self.submitted: list[dict[str, Any]] = []
+        #: the settle's stalls: no task ended while the broker held messages
+        self.stalls: list[dict[str, Any]] = []
         self._submit_lock = threading.Lock()
         self.publish_errors = 0
 
@@ -384,6 +386,7 @@ class Run:
         stuck_since: float | None = None
         last_report = 0.0
         pending = len(ids)
+        stall = stacks.Stall()
         while time.monotonic() < deadline:
             try:
                 states = self.backend_states(ids)
@@ -409,6 +412,16 @@ class Run:
                     return False, pending
             else:
                 stuck_since = None
+            if stall.still(pending, queued):
+                # Messages held, nothing ending: a consumer that stopped. Its
+                # stacks, once per stall, for whoever reads the run.
+                where = self.workdir / "stacks"
+                files = stacks.dump(self.cluster.all_workers(), where, stall.label)
+                self.stalls.append({"pending": pending, "queued": queued, "stacks": len(files)})
+                self.log(
+                    f"settle: no progress for {stacks.STALL:.0f}s ({pending} not final, "
+                    f"{queued} message(s) held): stacks in {where}"
+                )
             if time.monotonic() - last_report > 10:
                 self.log(f"settle: {pending} task(s) not final, {queued} message(s) in the broker")
                 last_report = time.monotonic()
@@ -515,6 +528,7 @@ class Run:
             f["broker_aof_commands"] = extra["aof_commands"]
             f["broker_aof_complete"] = extra["aof_complete"]
         f["settled"] = settled
+        f["settle_stalls"] = len(self.stalls)
         f["violations"] = len(report.violations)
         f["violations_by_kind"] = dict(report.by_kind())
         return f
@@ -662,6 +676,10 @@ def format_table(f: dict[str, Any], report: Report) -> str:
         ("lost tasks: plugin", str(f["lost_plugin"])),
         ("lost tasks: broker transport", str(f["lost_broker"])),
         ("settled (every task final, broker empty)", str(f["settled"])),
+        (
+            f"settle stalls (no task ended for {stacks.STALL:.0f} s, messages held; stacks taken)",
+            str(f["settle_stalls"]),
+        ),
         ("violations", str(f["violations"])),
     ]
     for kind, n in sorted(f["violations_by_kind"].items()):
