@@ -93,6 +93,13 @@ Definitions (the violation kinds it reports):
     ``FAILURE``, no later write changes it (a client's ``get()`` would have
     returned or raised something else). Seen through the backend's pub/sub
     channel, which carries every write.
+``stale_backend_write``
+    No backend state of a leased task id is written by a copy whose token was
+    stale when it wrote (DESIGN.md invariant 8), from the ``lease`` backend's
+    own history (every row it wrote, with the writer's token and the
+    database's time): per task id, a write by token *t* never follows one by
+    a token *t' > t*, and never lands after a copy of the same task id was
+    granted a newer token (``written_at > acquired_at + EPS``).
 ``unexpected_failure``
     Any other ``FAILURE`` (``DuplicateResult`` is expected in ``once`` mode).
 """
@@ -194,6 +201,10 @@ class Backend:
     exc_args: tuple[Any, ...] = ()
     #: the stored value of a ``SUCCESS``
     result: Any = field(default=UNKNOWN, compare=False)
+    #: the writer's lease token and the write's database time, where the
+    #: backend records them (the ``lease`` backend's history); None: unknown
+    token: int | None = field(default=None, compare=False)
+    written_at: float | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -319,6 +330,7 @@ def check(h: History) -> Report:
     out += _check_backend(h, subs, accepted_by_key, attempts_by_key)
     if h.backend_history is not None:
         out += _check_backend_history(h, subs)
+        out += _check_backend_tokens(h, subs)
 
     figures = {
         "tasks": len(h.submissions),
@@ -609,6 +621,38 @@ def _check_backend_history(h: History, subs: Mapping[str, Submission]) -> list[V
             out.append(
                 Violation("backend_flip", key, f"task {task_id}: final state changed: {seq}")
             )
+    return out
+
+
+def _check_backend_tokens(h: History, subs: Mapping[str, Submission]) -> list[Violation]:
+    assert h.backend_history is not None
+    grants: dict[str, list[Attempt]] = defaultdict(list)
+    for a in h.attempts:
+        grants[a.task_id].append(a)
+    out = []
+    for task_id, writes in h.backend_history.items():
+        key = subs[task_id].key if task_id in subs else None
+        newest: Backend | None = None
+        for w in writes:
+            if w.token is None:
+                continue
+            if newest is not None and newest.token is not None and w.token < newest.token:
+                out.append(Violation("stale_backend_write", key, (
+                    f"task {task_id}: {w.state} by token {w.token} after "
+                    f"{newest.state} by token {newest.token}")))  # fmt: skip
+            newer = [
+                a for a in grants[task_id]
+                if a.token > w.token and w.written_at is not None
+                and w.written_at > a.acquired_at + EPS
+            ]  # fmt: skip
+            if newer:
+                first = min(newer, key=lambda a: a.acquired_at)
+                out.append(Violation("stale_backend_write", key, (
+                    f"task {task_id}: {w.state} by token {w.token} written at "
+                    f"{w.written_at:.3f}, after token {first.token} of the same task id "
+                    f"was granted at {first.acquired_at:.3f}")))  # fmt: skip
+            if newest is None or (newest.token or 0) <= w.token:
+                newest = w
     return out
 
 

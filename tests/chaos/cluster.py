@@ -4,7 +4,10 @@
   off, so its AOF is the complete record :mod:`tests.chaos.aof` reads), or
   RabbitMQ with ``--broker amqp``;
 * a Redis for the leases (AOF, ``appendfsync always``);
-* a Redis for Celery's result backend (never faulted);
+* a Redis for Celery's result backend (never faulted), or with
+  ``backend="lease"`` no such Redis: the ``lease+`` backend on the result
+  database below (faulted with it), its every write copied by a trigger into
+  ``chaos_meta_history`` (:mod:`tests.chaos.backends`);
 * a PostgreSQL cluster for the fenced result table and ``chaos_protected``;
 * a spare Redis, a replica of the lease store, so that ``store_readonly`` can
   fail the store over to it (``FAILOVER``) and back, and no data is lost;
@@ -34,6 +37,7 @@ from typing import Any
 from sqlalchemy import create_engine, text
 
 from tests.chaos.app import PROTECTED_DDL
+from tests.chaos.backends import META_HISTORY_DDL
 from tests.servers import (
     PostgresServer,
     RabbitMQServer,
@@ -162,6 +166,7 @@ class Cluster:
         workdir: Path,
         *,
         broker: str,
+        backend: str = "redis",
         workers: int,
         concurrency: int,
         ttl: float,
@@ -170,6 +175,7 @@ class Cluster:
     ) -> None:
         self.workdir = workdir
         self.broker_kind = broker
+        self.backend_kind = backend
         self.ttl = ttl
         self.vt = vt
         self.log = log
@@ -217,8 +223,9 @@ class Cluster:
         self.spare = RedisServer(d, appendonly=False)
         self.spare.start()
         self.spare.command("REPLICAOF", "127.0.0.1", str(self.store.port))
-        self.backend = RedisServer(d, appendonly=True, appendfsync="always")
-        self.backend.start()
+        if self.backend_kind == "redis":
+            self.backend = RedisServer(d, appendonly=True, appendfsync="always")
+            self.backend.start()
         self.pg = PostgresServer(d, settings={"max_connections": 300})
         self.pg.start()
         results_url = self.pg.create_database("chaos")
@@ -228,11 +235,15 @@ class Cluster:
         engine = create_engine(results_url)
         with engine.begin() as conn:
             conn.execute(text(PROTECTED_DDL))
+            for ddl in META_HISTORY_DDL if self.backend is None else []:
+                conn.execute(text(ddl))
         engine.dispose()
         self.results_url = results_url
         self.env = {
             "CHAOS_BROKER": broker_url,
-            "CHAOS_BACKEND": self.backend.url(0),
+            # lease+: lease_result_url is the same database, so a leased task's
+            # SUCCESS is written in its commit's transaction.
+            "CHAOS_BACKEND": self.backend.url(0) if self.backend else f"lease+{results_url}",
             "CHAOS_STORE": self.store.url(0),
             "CHAOS_RESULTS": results_url,
             "CHAOS_HISTORY": str(self.history),

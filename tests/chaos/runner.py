@@ -38,7 +38,7 @@ from typing import Any
 import redis
 from sqlalchemy import create_engine, text
 
-from tests.chaos import aof, stacks
+from tests.chaos import aof, backends, stacks
 from tests.chaos.checker import (
     FINAL,
     Accepted,
@@ -65,6 +65,8 @@ class Options:
     tasks: int = 300
     keys: int = 12
     broker: str = "redis"
+    #: the result backend: Celery's Redis backend, or ``lease`` (lease+ the result database)
+    backend: str = "redis"
     ttl: float = 4.0
     vt: float = 10.0
     fault_rate: float = 0.2
@@ -136,61 +138,6 @@ def plan(opts: Options) -> list[dict[str, Any]]:
 # -- the run ----------------------------------------------------------------
 
 
-class BackendMonitor:
-    """Every state the result backend stores, as it is stored.
-
-    Celery's Redis backend publishes each stored meta on the channel named
-    like its key (``celery-task-meta-<id>``); subscribing to the pattern
-    shows every write, not only the last one, so a final state that is
-    later overwritten (FAILURE, then SUCCESS) is seen.
-    """
-
-    def __init__(self, url: str, path: Path) -> None:
-        self.url = url
-        self.path = path
-        self.states: dict[str, list[Backend]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="backend-monitor", daemon=True)
-        self.subscribed = threading.Event()
-
-    def start(self) -> None:
-        self._thread.start()
-        if not self.subscribed.wait(30):
-            raise RuntimeError("could not subscribe to the result backend")
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            client = redis.Redis.from_url(self.url)
-            try:
-                pubsub = client.pubsub(ignore_subscribe_messages=True)
-                pubsub.psubscribe("celery-task-meta-*")
-                self.subscribed.set()
-                with open(self.path, "a") as fh:
-                    while not self._stop.is_set():
-                        msg = pubsub.get_message(timeout=0.5)
-                        if msg is None or msg.get("type") != "pmessage":
-                            continue
-                        meta = json.loads(msg["data"])
-                        tid = meta.get("task_id") or msg["channel"].decode()[17:]
-                        b = _backend(meta)
-                        self.states.setdefault(tid, []).append(b)
-                        fh.write(
-                            json.dumps(
-                                {"task_id": tid, "state": b.state, "exc": b.exc_type,
-                                 "t": time.time()}
-                            ) + "\n"
-                        )  # fmt: skip
-                        fh.flush()
-            except redis.RedisError:
-                time.sleep(0.5)
-            finally:
-                client.close()
-
-
 class Run:
     def __init__(self, opts: Options) -> None:
         self.opts = opts
@@ -203,6 +150,7 @@ class Run:
         self.cluster = Cluster(
             self.workdir,
             broker=opts.broker,
+            backend=opts.backend,
             workers=opts.workers,
             concurrency=opts.concurrency,
             ttl=opts.ttl,
@@ -211,6 +159,8 @@ class Run:
         )
         self.rng = random.Random(opts.seed * 7919 + 1)
         self.submitted: list[dict[str, Any]] = []
+        #: every write the result backend made, per task id (read after the run)
+        self.backend_history: dict[str, list[Backend]] | None = None
         #: the settle's stalls: no task ended while the broker held messages
         self.stalls: list[dict[str, Any]] = []
         self._submit_lock = threading.Lock()
@@ -243,10 +193,10 @@ class Run:
             from tests.chaos.app import build
 
             self.app, self.tasks = build(self.cluster.env)
-            self.monitor = BackendMonitor(
-                self.cluster.env["CHAOS_BACKEND"], self.workdir / "backend_states.jsonl"
+            self.backend = backends.view_of(
+                opts.backend, self.cluster.env, self.cluster.results_url, self.workdir
             )
-            self.monitor.start()
+            self.backend.start()
             self.cluster.supervise()
             the_plan = plan(opts)
             until = time.monotonic() + opts.duration
@@ -265,9 +215,11 @@ class Run:
             settled, pending = self.settle(opts.settle)
             self.cluster.stop_supervising()
             self.cluster.stop_workers()
-            self.monitor.stop()
             self.log("workers stopped; collecting")
-            history, extra = self.collect()
+            try:
+                history, extra = self.collect()
+            finally:
+                self.backend.stop()
             extra["pending_at_settle"] = pending
             report = check(history)
             figures = self.figures(report, injector, extra, settled)
@@ -339,20 +291,6 @@ class Run:
 
     # -- settling ----------------------------------------------------------
 
-    def backend_states(self, ids: list[str]) -> dict[str, dict[str, Any]]:
-        assert self.cluster.backend is not None
-        client = redis.Redis.from_url(self.cluster.env["CHAOS_BACKEND"])
-        out: dict[str, dict[str, Any]] = {}
-        try:
-            for i in range(0, len(ids), 500):
-                chunk = ids[i : i + 500]
-                for tid, raw in zip(chunk, client.mget([f"celery-task-meta-{t}" for t in chunk])):
-                    if raw is not None:
-                        out[tid] = json.loads(raw)
-        finally:
-            client.close()
-        return out
-
     def broker_pending(self) -> int:
         c = self.cluster
         if c.broker_redis is not None:
@@ -389,7 +327,7 @@ class Run:
         stall = stacks.Stall()
         while time.monotonic() < deadline:
             try:
-                states = self.backend_states(ids)
+                states = self.backend.states(ids)
                 pending = sum(1 for t in ids if states.get(t, {}).get("status") not in FINAL)
                 queued = self.broker_pending()
             except Exception as e:  # noqa: BLE001 - keep waiting through hiccups
@@ -467,8 +405,9 @@ class Run:
                 )
             ]
         engine.dispose()
-        raw = self.backend_states([s.task_id for s in subs])
-        backend = {tid: _backend(meta) for tid, meta in raw.items()}
+        raw = self.backend.states([s.task_id for s in subs])
+        self.backend_history = self.backend.history()
+        backend = {tid: backends.backend_of(meta) for tid, meta in raw.items()}
         extra: dict[str, Any] = {"events": events}
         transport_lost: dict[str, str] = {}
         if c.broker_redis is not None:
@@ -496,7 +435,7 @@ class Run:
             backend=backend,
             transport_lost=transport_lost,
             broker=self.opts.broker,
-            backend_history={k: list(v) for k, v in self.monitor.states.items()},
+            backend_history=self.backend_history,
         )
         return history, extra
 
@@ -505,6 +444,7 @@ class Run:
     ) -> dict[str, Any]:
         f: dict[str, Any] = {
             "broker": self.opts.broker,
+            "backend": self.opts.backend,
             "seed": self.opts.seed,
             "duration_s": self.opts.duration,
             "workers": f"{self.opts.workers} (w0 -P threads, others prefork)"
@@ -528,23 +468,13 @@ class Run:
             f["broker_aof_commands"] = extra["aof_commands"]
             f["broker_aof_complete"] = extra["aof_complete"]
         f["settled"] = settled
+        writes = [b for bs in (self.backend_history or {}).values() for b in bs]
+        f["backend_writes"] = len(writes)
+        f["backend_writes_tokened"] = sum(1 for b in writes if b.token is not None)
         f["settle_stalls"] = len(self.stalls)
         f["violations"] = len(report.violations)
         f["violations_by_kind"] = dict(report.by_kind())
         return f
-
-
-def _backend(meta: dict[str, Any]) -> Backend:
-    state = meta.get("status") or "PENDING"
-    result = meta.get("result")
-    if state == "FAILURE" and isinstance(result, dict):
-        args = result.get("exc_message")
-        if not isinstance(args, (list, tuple)):
-            args = [args]
-        return Backend(state, result.get("exc_type"), tuple(args))
-    if state == "SUCCESS":
-        return Backend(state, result=result)
-    return Backend(state)
 
 
 class ClockMap:
@@ -639,6 +569,11 @@ def count_log_states(logdir: Path) -> Counter[str]:
 def format_table(f: dict[str, Any], report: Report) -> str:
     rows: list[tuple[str, str]] = [
         ("broker", str(f["broker"])),
+        ("result backend", str(f["backend"])),
+        (
+            "backend writes recorded (every write; with a token)",
+            f"{f['backend_writes']} ({f['backend_writes_tokened']})",
+        ),
         ("seed", str(f["seed"])),
         ("fault-injection duration (s)", str(f["duration_s"])),
         ("workers", str(f["workers"])),
@@ -709,6 +644,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", type=int, default=300)
     p.add_argument("--keys", type=int, default=12)
     p.add_argument("--broker", choices=("redis", "amqp"), default="redis")
+    p.add_argument(
+        "--backend", choices=("redis", "lease"), default="redis",
+        help="result backend: Celery's Redis backend, or lease+ the result database",
+    )  # fmt: skip
     p.add_argument("--ttl", type=float, default=4.0, help="lease TTL (s)")
     p.add_argument("--vt", type=float, default=10.0, help="Redis visibility_timeout (s)")
     p.add_argument("--fault-rate", type=float, default=0.2, help="faults per second")
@@ -723,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     opts = Options(
         duration=a.duration, seed=a.seed, workers=a.workers, concurrency=a.concurrency,
-        tasks=a.tasks, keys=a.keys, broker=a.broker, ttl=a.ttl, vt=a.vt,
+        tasks=a.tasks, keys=a.keys, broker=a.broker, backend=a.backend, ttl=a.ttl, vt=a.vt,
         fault_rate=a.fault_rate, settle=a.settle, kinds=kinds, workdir=a.workdir,
         quiet=a.quiet,
     )  # fmt: skip

@@ -390,6 +390,54 @@ def test_a_backend_history_without_changes_passes() -> None:
     assert check(h).violations == []
 
 
+def _written(h: History) -> dict[str, list[Backend]]:
+    """The lease backend's history of the clean run: each final state written
+    once, by its accepted token at its accepted time; T5's FAILURE by its own
+    token after its body ended (T5 is its own task id: T1 and T2 are others)."""
+    at = {"T1": (10, 101.02), "T2": (20, 102.02), "T3": (30, 100.52), "T5": (5, 102.6)}
+    return {
+        t: [Backend(b.state, b.exc_type, b.exc_args, b.result, *at[t])]
+        for t, b in h.backend.items()
+        if t in at
+    }
+
+
+def test_a_lease_backend_history_of_current_tokens_passes() -> None:
+    h = clean()
+    h.backend_history = _written(h)
+    h.backend_history["T1"].insert(0, Backend("STARTED", token=10, written_at=100.02))
+    assert check(h).violations == []
+
+
+def test_a_backend_write_by_an_older_token_after_a_newer_one_is_reported() -> None:
+    h = clean()
+    h.backend_history = _written(h)
+    # T2's owner (token 20) wrote STARTED; then a write by token 12 landed.
+    h.backend_history["T2"][:0] = [
+        Backend("STARTED", token=20, written_at=101.07),
+        Backend("RETRY", token=12, written_at=101.5),
+    ]
+    # Both rules see it: an older token after a newer one, and after T2's own grant of 20.
+    found = check(h).violations
+    assert {(v.kind, v.key) for v in found} == {("stale_backend_write", "x0")}
+    assert [v.detail for v in found] == [
+        "task T2: RETRY by token 12 after STARTED by token 20",
+        "task T2: RETRY by token 12 written at 101.500, after token 20 of the same task id "
+        "was granted at 101.050",
+    ]
+
+
+def test_a_backend_write_after_a_newer_copy_of_its_task_id_was_granted_is_reported() -> None:
+    h = clean()
+    h.backend_history = _written(h)
+    # A second copy of T5 was granted token 25 at 102.1 (its body wrote nothing);
+    # T5's FAILURE by token 5 landed at 102.6: stale, though no row held 25 yet.
+    h.attempts.append(Attempt("a5b", "T5", "x0", 25, 102.1, 102.11, 102.3, 106.1, None))
+    (v,) = check(h).violations
+    assert (v.kind, v.key) == ("stale_backend_write", "x0")
+    assert "after token 25 of the same task id was granted at 102.100" in v.detail
+
+
 def test_the_aof_shows_a_message_stranded_by_a_worker_clock_an_hour_ahead(tmp_path: Path) -> None:
     adir = tmp_path / "appendonlydir"
     adir.mkdir()

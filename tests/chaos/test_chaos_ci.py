@@ -8,6 +8,10 @@ Reproduce it outside pytest with::
 
     python -m tests.chaos --duration 100 --seed 20240 --workers 3 --tasks 120 \\
         --keys 8 --fault-rate 0.25 --settle 150
+
+and once more with ``--backend lease``: the ``lease+`` result backend on the
+faulted result database, every one of its writes checked for a stale token
+(``stale_backend_write``).
 """
 
 from __future__ import annotations
@@ -41,9 +45,11 @@ OPTIONS = {
 }
 
 
-def test_chaos_ci_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["redis", "lease"])
+def test_chaos_ci_run(tmp_path: Path, backend: str) -> None:
+    opts = Options(**OPTIONS, backend=backend, workdir=tmp_path / "chaos", quiet=True)  # type: ignore[arg-type]
     try:
-        result = run(Options(**OPTIONS, workdir=tmp_path / "chaos", quiet=True))  # type: ignore[arg-type]
+        result = run(opts)
     except FileNotFoundError as exc:  # a server binary missing on a developer machine
         if os.environ.get("CI"):
             raise
@@ -55,3 +61,5 @@ def test_chaos_ci_run(tmp_path: Path) -> None:
     assert result.report.violations == [], result.table
     assert result.report.lost_plugin == [], result.table
     assert f["executions"] >= f["keys"] and f["accepted"] >= f["keys"]
+    if backend == "lease":  # the check saw the leased tasks' writes, with their tokens
+        assert f["backend_writes_tokened"] >= f["accepted"], result.table

@@ -49,8 +49,8 @@ from sqlalchemy import create_engine, text
 import celery_lease
 from celery_lease import LeaseStore
 from tests.chaos.app import PROTECTED_DDL, build
+from tests.chaos.backends import BackendMonitor
 from tests.chaos.cluster import ChaosWorker
-from tests.chaos.runner import BackendMonitor
 from tests.etcd_cluster import etcd_cluster, etcd_url  # noqa: F401 - fixtures
 from tests.servers import RabbitMQServer, RedisServer, wait_for
 from tests.workers import read_log
