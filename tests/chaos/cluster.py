@@ -3,7 +3,8 @@
 * a Redis for the broker (AOF, ``appendfsync always``, automatic rewrites
   off, so its AOF is the complete record :mod:`tests.chaos.aof` reads), or
   RabbitMQ with ``--broker amqp``;
-* a Redis for the leases (AOF, ``appendfsync always``);
+* a Redis for the leases (AOF, ``appendfsync always``), or with
+  ``store="pg"`` the leases in the result database below;
 * a Redis for Celery's result backend (never faulted), or with
   ``backend="lease"`` no such Redis: the ``lease+`` backend on the result
   database below (faulted with it), its every write copied by a trigger into
@@ -167,6 +168,7 @@ class Cluster:
         *,
         broker: str,
         backend: str = "redis",
+        store: str = "redis",
         workers: int,
         concurrency: int,
         ttl: float,
@@ -176,6 +178,7 @@ class Cluster:
         self.workdir = workdir
         self.broker_kind = broker
         self.backend_kind = backend
+        self.store_kind = store
         self.ttl = ttl
         self.vt = vt
         self.log = log
@@ -244,7 +247,8 @@ class Cluster:
             # lease+: lease_result_url is the same database, so a leased task's
             # SUCCESS is written in its commit's transaction.
             "CHAOS_BACKEND": self.backend.url(0) if self.backend else f"lease+{results_url}",
-            "CHAOS_STORE": self.store.url(0),
+            # pg: the leases in the result database (one statement per step)
+            "CHAOS_STORE": self.store.url(0) if self.store_kind == "redis" else results_url,
             "CHAOS_RESULTS": results_url,
             "CHAOS_HISTORY": str(self.history),
             "CHAOS_TTL": str(self.ttl),

@@ -54,6 +54,10 @@ KINDS = (
     *SERVER_KINDS,
 )
 SKEWS = ("+1h", "-1h")
+#: the kinds that act on the Redis lease store only: left out when the leases are in
+#: PostgreSQL (``--store pg``), whose faults are ``pg_restart``, ``results_*`` and
+#: ``store_unreachable`` on ``pg``
+REDIS_STORE_KINDS = ("store_restart", "store_oom", "store_readonly", "store_long_outage")
 #: the kinds that also hold the broker's lock (no broker fault while they last)
 LONG_OUTAGES = ("store_long_outage", "results_long_outage")
 #: the kinds that act on one worker (its lock taken)
@@ -142,7 +146,9 @@ class Injector(ServerFaults):
             "broker_restart": "broker",
             "store_restart": "store",
             "pg_restart": "pg",
-            "store_unreachable": self.rng.choice(("store", "pg")),
+            "store_unreachable": (
+                "pg" if self.c.store_kind == "pg" else self.rng.choice(("store", "pg"))
+            ),
             "store_oom": "store",
             "store_readonly": "store",
             "store_long_outage": "store",

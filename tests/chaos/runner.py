@@ -51,7 +51,7 @@ from tests.chaos.checker import (
     check,
 )
 from tests.chaos.cluster import Cluster
-from tests.chaos.faults import KINDS, Injector
+from tests.chaos.faults import KINDS, REDIS_STORE_KINDS, Injector
 
 __all__ = ["Options", "RunResult", "main", "run"]
 
@@ -67,6 +67,8 @@ class Options:
     broker: str = "redis"
     #: the result backend: Celery's Redis backend, or ``lease`` (lease+ the result database)
     backend: str = "redis"
+    #: the lease store: the Redis of its own, or ``pg`` (the result database)
+    store: str = "redis"
     ttl: float = 4.0
     vt: float = 10.0
     fault_rate: float = 0.2
@@ -151,6 +153,7 @@ class Run:
             self.workdir,
             broker=opts.broker,
             backend=opts.backend,
+            store=opts.store,
             workers=opts.workers,
             concurrency=opts.concurrency,
             ttl=opts.ttl,
@@ -445,6 +448,7 @@ class Run:
         f: dict[str, Any] = {
             "broker": self.opts.broker,
             "backend": self.opts.backend,
+            "store": self.opts.store,
             "seed": self.opts.seed,
             "duration_s": self.opts.duration,
             "workers": f"{self.opts.workers} (w0 -P threads, others prefork)"
@@ -569,6 +573,7 @@ def count_log_states(logdir: Path) -> Counter[str]:
 def format_table(f: dict[str, Any], report: Report) -> str:
     rows: list[tuple[str, str]] = [
         ("broker", str(f["broker"])),
+        ("lease store", str(f["store"])),
         ("result backend", str(f["backend"])),
         (
             "backend writes recorded (every write; with a token)",
@@ -648,6 +653,10 @@ def main(argv: list[str] | None = None) -> int:
         "--backend", choices=("redis", "lease"), default="redis",
         help="result backend: Celery's Redis backend, or lease+ the result database",
     )  # fmt: skip
+    p.add_argument(
+        "--store", choices=("redis", "pg"), default="redis",
+        help="lease store: a Redis, or the result database (Redis store faults left out)",
+    )  # fmt: skip
     p.add_argument("--ttl", type=float, default=4.0, help="lease TTL (s)")
     p.add_argument("--vt", type=float, default=10.0, help="Redis visibility_timeout (s)")
     p.add_argument("--fault-rate", type=float, default=0.2, help="faults per second")
@@ -657,14 +666,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     kinds = tuple(k for k in a.kinds.split(",") if k)
+    if a.store == "pg":
+        kinds = tuple(k for k in kinds if k not in REDIS_STORE_KINDS)
     unknown = set(kinds) - set(KINDS)
     if unknown:
         p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
     opts = Options(
         duration=a.duration, seed=a.seed, workers=a.workers, concurrency=a.concurrency,
-        tasks=a.tasks, keys=a.keys, broker=a.broker, backend=a.backend, ttl=a.ttl, vt=a.vt,
-        fault_rate=a.fault_rate, settle=a.settle, kinds=kinds, workdir=a.workdir,
-        quiet=a.quiet,
+        tasks=a.tasks, keys=a.keys, broker=a.broker, backend=a.backend, store=a.store,
+        ttl=a.ttl, vt=a.vt, fault_rate=a.fault_rate, settle=a.settle, kinds=kinds,
+        workdir=a.workdir, quiet=a.quiet,
     )  # fmt: skip
     result = run(opts)
     print(result.table)
