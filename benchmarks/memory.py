@@ -1,7 +1,8 @@
 """7. Memory in a long-running worker: each pool child's RSS over a long drain.
 
 ``BENCH_MEMORY_ONLY="prefork:plain,solo:plain"`` runs only those soaks (pool:contender),
-for a machine that cannot give the whole section its hours in one go.
+for a machine that cannot give the whole section its hours in one go;
+``BENCH_MEMORY_LONG=1`` (or 2) adds the checkpoint at 400,000 (and 800,000) tasks.
 """
 
 from __future__ import annotations
@@ -145,6 +146,8 @@ def _fmt_slope(x: float) -> str:
 
 def run(env: Env) -> Section:
     checkpoints = [500, 2_000, 4_000] if env.quick else [1_000, 10_000, 50_000, 100_000, 200_000]
+    if os.environ.get("BENCH_MEMORY_LONG"):  # a longer soak: 400k and 800k too
+        checkpoints += [400_000, 800_000][: int(os.environ["BENCH_MEMORY_LONG"])]
     contenders = ["plain", "leased-redis-pg"] if env.quick else CONTENDERS
     solo = [] if env.quick else SOLO
     kinds = {k.key: k for k in KINDS}
