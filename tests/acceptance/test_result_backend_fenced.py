@@ -352,10 +352,19 @@ def watched(
     flower = Flower(d.env, tmp_path_factory.mktemp("flower"))
     try:
         flower.start()
-        # Flower receives the workers' events before the test sends anything.
-        warmup = d.tasks.add.apply_async((1, 1), queue="qb")
-        assert warmup.get(timeout=30) == 2
-        flower.wait_state(warmup.id, states.SUCCESS, 30, "the warm-up task")
+
+        # Flower receives the workers' events before the test sends anything. Its
+        # event consumer connects some time after its HTTP server answers, and
+        # events sent before that are gone: warm up until one is seen.
+        def seen() -> bool:
+            warmup = d.tasks.add.apply_async((1, 1), queue="qb")
+            assert warmup.get(timeout=30) == 2
+            try:
+                return wait_for(lambda: flower.state(warmup.id) == states.SUCCESS, 3, "warm-up")
+            except TimeoutError:
+                return False
+
+        wait_for(seen, 60, "flower to receive the workers' events")
         yield d, flower
     finally:
         d.workers["a"].cont_group()
