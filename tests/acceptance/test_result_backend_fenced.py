@@ -360,7 +360,7 @@ def watched(
             warmup = d.tasks.add.apply_async((1, 1), queue="qb")
             assert warmup.get(timeout=30) == 2
             try:
-                return wait_for(lambda: flower.state(warmup.id) == states.SUCCESS, 3, "warm-up")
+                return bool(wait_for(lambda: flower.state(warmup.id) == states.SUCCESS, 3, "w"))
             except TimeoutError:
                 return False
 
