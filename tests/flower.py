@@ -11,6 +11,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,20 @@ class Flower:
             wait_for(reached, timeout, f"flower to show {what} {task_id} as {state}")
         except TimeoutError as e:
             raise AssertionError(f"{e}; states seen: {seen}") from None
+
+    def warm_up(self, run_one: Callable[[], str]) -> None:
+        """Run tasks (``run_one`` runs one to its end, returns its id) until Flower
+        has seen one succeed. Flower's event consumer connects some time after its
+        HTTP server answers, and events sent before that are gone for it."""
+
+        def seen() -> bool:
+            task_id = run_one()
+            try:
+                return bool(wait_for(lambda: self.state(task_id) == "SUCCESS", 3, "warm-up"))
+            except TimeoutError:
+                return False
+
+        wait_for(seen, 60, "flower to receive the workers' events")
 
     def stop(self) -> None:
         if self.proc is None:

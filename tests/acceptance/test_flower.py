@@ -81,10 +81,14 @@ def test_flower_shows_fenced_deferred_and_rejected(
     try:
         a.start()
         b.start()
+
         # Flower receives the workers' events before anything else is sent.
-        warmup = tasks.work.apply_async((f"warmup-{run}",), queue="b")
-        assert warmup.get(timeout=30)["key"] == f"warmup-{run}"
-        flower.wait_state(warmup.id, "SUCCESS", 30, "the warm-up task")
+        def work_one() -> str:
+            warmup = tasks.work.apply_async((f"warmup-{run}",), queue="b")
+            assert warmup.get(timeout=30)["key"] == f"warmup-{run}"
+            return str(warmup.id)
+
+        flower.warm_up(work_one)
 
         # -- FENCED, part 1: A claims K, then its process group stops. -----------
         sent_a = time.monotonic()  # A's claim, and so its lease, began after this

@@ -353,18 +353,13 @@ def watched(
     try:
         flower.start()
 
-        # Flower receives the workers' events before the test sends anything. Its
-        # event consumer connects some time after its HTTP server answers, and
-        # events sent before that are gone: warm up until one is seen.
-        def seen() -> bool:
+        # Flower receives the workers' events before the test sends anything.
+        def add_one() -> str:
             warmup = d.tasks.add.apply_async((1, 1), queue="qb")
             assert warmup.get(timeout=30) == 2
-            try:
-                return bool(wait_for(lambda: flower.state(warmup.id) == states.SUCCESS, 3, "w"))
-            except TimeoutError:
-                return False
+            return str(warmup.id)
 
-        wait_for(seen, 60, "flower to receive the workers' events")
+        flower.warm_up(add_one)
         yield d, flower
     finally:
         d.workers["a"].cont_group()
