@@ -329,7 +329,11 @@ class LeaseStore(ABC):
             raise LeaseConfigError(f"a key prefix is a string, got {prefix!r}")
         if has_unstorable(prefix):
             return []  # NUL or a lone surrogate: no stored key contains one
-        return self.do_list(prefix, expired)
+        records = self.do_list(prefix, expired)
+        # A store may still hold a record its clock has already expired (Redis
+        # deletes a hash in the millisecond after its 'expires' field): liveness
+        # is the record's own verdict, as in inspect, never the record's presence.
+        return records if expired else [r for r in records if r.live]
 
     def evict(self, key: str, token: int | None = None) -> LeaseRecord | None:
         """Force-release ``key`` whoever holds it and advance its fence.

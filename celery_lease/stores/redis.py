@@ -324,7 +324,8 @@ class RedisLeaseStore(LeaseStore):
         )
 
     def do_list(self, prefix: str, expired: bool) -> builtins.list[LeaseRecord]:
-        # Redis deletes expired leases itself: there are no expired records to list.
+        # Redis deletes expired leases itself (LeaseStore.list drops the ones it has
+        # not deleted yet): expired=True finds only those.
         head = f"{self.prefix}:lease:{{"
         match = _glob_escape(head + _tag(prefix)) + "*"
         records: builtins.list[LeaseRecord] = []

@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,8 @@ SETTINGS_PAGE = (ROOT / "docs" / "settings.md").read_text()
 
 
 def blocks(text: str, lang: str) -> list[str]:
-    return re.findall(rf"```{lang}[^\n]*\n(.*?)```", text, flags=re.S)
+    """The page's ``lang`` fences, dedented: a fence inside a list item is indented."""
+    return [textwrap.dedent(b) for b in re.findall(rf"```{lang}[^\n]*\n(.*?)```", text, flags=re.S)]
 
 
 def commands(text: str) -> list[str]:

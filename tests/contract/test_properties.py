@@ -54,6 +54,7 @@ from celery_lease.keys import (
 )
 from celery_lease.results import ResultTable
 from celery_lease.stores.base import Lease
+from celery_lease.stores.redis import RedisLeaseStore
 from tests.apps import keyprobe
 from tests.servers import wait_for
 from tests.store_fixtures import STORE_KINDS, store_url
@@ -537,10 +538,20 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self._fully_held()))
     @rule(data=st.data())
     def lapse(self, data: st.DataObject) -> None:
-        """Shorten a held lease to a few ms and let it run out in store time."""
+        """Shorten a held lease to a few ms and let it run out in store time.
+
+        Half the time on Redis the hashes are kept past their expiry (PERSIST),
+        as Redis itself keeps them for up to a millisecond: every operation
+        after this must decide by the store's clock, not by the hash being there.
+        """
         handle = data.draw(st.sampled_from(self._fully_held()))
+        keep = data.draw(st.booleans())
         [expires] = self.store.renew_many([handle.lease], ttl=LAPSE_TTL)
         assert expires is not None
+        if keep and isinstance(self.store, RedisLeaseStore):
+            for k in handle.lease.keys:
+                assert self.store.client.persist(self.store.lease_name(k))
+            SEEN["lapse kept"] += 1
         remaining = expires - self.store.time()
         if remaining > 0:
             time.sleep(remaining)
@@ -647,4 +658,6 @@ def test_store_agrees_with_the_model(kind: str, request: pytest.FixtureRequest) 
         "claim granted", "claim refused", "renew True", "renew False", "release True",
         "commit accepted", "commit refused", "evict held", "lapse",
     }  # fmt: skip
+    if kind == "redis":
+        wanted.add("lapse kept")
     assert wanted <= met, f"never met: {wanted - met} ({dict(SEEN)})"
