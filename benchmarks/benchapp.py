@@ -290,7 +290,23 @@ def build(environ: Mapping[str, str], *, backend: bool = True) -> tuple[Celery, 
 
     if env("BENCH_SQL_TRACE"):
         _install_sql_trace()
+    if env("BENCH_SQLITE_CACHE_KIB"):
+        _bound_sqlite_cache(int(str(env("BENCH_SQLITE_CACHE_KIB"))))
     return app, noop
+
+
+def _bound_sqlite_cache(kib: int) -> None:
+    """Every SQLite connection's page cache at ``kib`` KiB (the memory soak's
+    check that the SQLite row's growth is its page cache filling up)."""
+    import sqlite3
+
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    @event.listens_for(Engine, "connect")
+    def _connect(dbapi_connection: Any, _record: Any) -> None:
+        if isinstance(dbapi_connection, sqlite3.Connection):
+            dbapi_connection.execute(f"PRAGMA cache_size=-{kib}")
 
 
 def _install_sql_trace() -> None:

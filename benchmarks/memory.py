@@ -3,6 +3,9 @@
 ``BENCH_MEMORY_ONLY="prefork:plain,solo:plain"`` runs only those soaks (pool:contender),
 for a machine that cannot give the whole section its hours in one go;
 ``BENCH_MEMORY_LONG=1`` (or 2) adds the checkpoint at 400,000 (and 800,000) tasks.
+``BENCH_SQLITE_CACHE_KIB=64`` bounds every SQLite connection's page cache in the
+workers (``PRAGMA cache_size=-64``): the check that the SQLite row's growth is
+that cache filling up, not celery-lease.
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ def _sample(main_pid: int, done: int) -> Sample:
 
 def soak(targets: Targets, kind: Kind, pool: str, checkpoints: list[int]) -> Soak:
     """Drain ``checkpoints[-1]`` tasks through one worker, sampling RSS at each checkpoint."""
-    run = WorkerRun(targets, kind, pool)
+    passed = {k: os.environ[k] for k in ("BENCH_SQLITE_CACHE_KIB",) if os.environ.get(k)}
+    run = WorkerRun(targets, kind, pool, extra_env=passed)
     out = Soak(kind.key, pool)
     total = checkpoints[-1]
     enqueued = 0
