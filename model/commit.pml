@@ -118,6 +118,7 @@ c_caught:
   :: r == ACCEPTED -> goto committed
   :: r == STALE -> goto not_done      /* commit.fenced */
   :: r == DUP -> goto fail_ack        /* commit.duplicate -> duplicate.reject */
+  :: r == ENDED -> goto ack           /* PROPOSE_ENDED_AT_COMMIT */
   fi;
 
 /* commit.retry while the local view lasts, else commit.unknown: re-queue

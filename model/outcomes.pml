@@ -47,7 +47,7 @@ fail_ack:
   :: atomic {
        /* @code celery_lease/execution.py:Execution._store_failure "self.task.backend.mark_as_failure(self.task_id, exc, request=self.req)" */
        printf("@ w%d writes T%d FAILURE (token %d)\n", w, T, tok);
-       be_write(T, FAILURE, 0, tok)
+       be_write_fenced(T, FAILURE, 0, tok)
      }
   fi;
   goto ack;
@@ -89,7 +89,7 @@ copy_of_accepted:
        /* accepted.store: while this copy still holds the lease */
        /* @code celery_lease/execution.py:Execution.prepare "self.task_id, self.reads.accepted.value, request=self.req" */
        printf("@ w%d writes T%d SUCCESS with the accepted value of token %d (token %d)\n", w, T, at, tok);
-       be_write(T, SUCCESS, at, tok)
+       be_write_fenced(T, SUCCESS, at, tok)
      }
   fi;
   nxt = N_ACK;

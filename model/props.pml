@@ -106,7 +106,16 @@ inline on_accept(k, t, T, w) {
   if
   :: t > acc_new[k] -> acc_new[k] = t; acc_new_task[k] = T + 1
   :: else -> skip
-  fi
+  fi;
+#ifdef LEASE_BACKEND
+  /* The lease+ backend in the result database: the task's SUCCESS record is
+   * written in the commit's transaction, replacing whatever it held. */
+  /* @code celery_lease/sql/meta_queries.py:_META_COMMIT_UPSERT "value = excluded.value, expires_at = excluded.expires_at, token = excluded.token" */
+  printf("@ the commit's transaction writes T%d SUCCESS (token %d)\n", T, t);
+  be_write(T, SUCCESS, t, t)
+#else
+  skip
+#endif
 }
 
 /* Worker w, holding token t for task T, writes the backend: st, and for a
@@ -123,7 +132,31 @@ inline be_write(T, st, val, t) {
   CHECK(viol_backend_flip, be_st[T] == PENDING || (be_st[T] == st && be_val[T] == val));
 #endif
   be_st[T] = st;
+#ifdef LEASE_BACKEND
+  if
+  :: t != 0 -> be_tok[T] = t
+  :: else -> skip /* a write without a token keeps the record's */
+  fi;
+#endif
   be_val[T] = val
+}
+
+/* A write by celery-lease (a FAILURE, the accepted value a late copy
+ * stores): with the lease+ backend fenced by the writer's token, in the one
+ * statement; with any other backend, last writer wins. */
+inline be_write_fenced(T, st, val, t) {
+#ifdef LEASE_BACKEND
+  /* @code celery_lease/sql/meta_queries.py:_META_FENCED "WHEN m.token IS NOT NULL AND m.token > excluded.token THEN FALSE" */
+  /* @code celery_lease/sql/meta_queries.py:_META_SET "ELSE COALESCE({{status}}, '') <> 'SUCCESS' END" */
+  if
+  :: ((t == 0 && be_st[T] == SUCCESS && be_tok[T] != 0)
+      || (t != 0 && (be_tok[T] > t || (be_st[T] == SUCCESS && st != SUCCESS)))) ->
+     printf("@ the backend refuses T%d's write (token %d): its record has token %d\n", T, t, be_tok[T])
+  :: else -> be_write(T, st, val, t)
+  fi
+#else
+  be_write(T, st, val, t)
+#endif
 }
 
 /* Row (k, t) exists (results.get): a token belongs to one task id. */

@@ -59,10 +59,21 @@ inline fence_lock(w, k, t, r, txf) {
 }
 
 /* commit_remote, 3: insert the row and commit, releasing the fence row. */
+/* A proposal, not the code (-DPROPOSE_ENDED_AT_COMMIT, with LEASE_BACKEND):
+ * the commit's transaction also reads the task id's backend record and
+ * refuses when it is a FAILURE celery-lease wrote: the task id has ended,
+ * its FAILURE stands, the copy acks. docs/model.md, defects 2 and 4. */
+#if defined(PROPOSE_ENDED_AT_COMMIT) && defined(LEASE_BACKEND)
+#define ENDED_AT_COMMIT :: be_st[T] == FAILURE -> r = ENDED
+#else
+#define ENDED_AT_COMMIT
+#endif
+
 inline insert_row(w, k, T, t, r, txf) {
   /* @code celery_lease/sql/queries.py:_RESULT_ONCE_GUARD "WHERE NOT EXISTS (SELECT 1 FROM celery_lease_results WHERE lease_key = :key)" */
   if
   :: ONCE && acc_n[k] > 0 -> r = DUP
+  ENDED_AT_COMMIT
   /* @code celery_lease/sql/queries.py:_RESULT_INSERT "ON CONFLICT (lease_key, fencing_token) DO NOTHING" */
   :: ROW(k, t) -> r = DUP
   :: else ->
@@ -111,6 +122,7 @@ inline commit_colocated(w, k, T, t, r) {
      /* @code celery_lease/sql/queries.py:_pg_commit_colocated "WHERE {owned}{\" AND NOT EXISTS (SELECT 1 FROM dup)\" if once else \"\"}" */
      if
      :: ONCE && acc_n[k] > 0 -> r = DUP
+     ENDED_AT_COMMIT
      :: ROW(k, t) -> r = DUP
      :: else -> on_accept(k, t, T, w); r = ACCEPTED
      fi
@@ -127,6 +139,7 @@ inline say_commit(w, t, r) {
   :: r == ACCEPTED -> printf("@ w%d commit: accepted\n", w)
   :: r == STALE -> printf("@ w%d commit: the lease is not its own: stale\n", w)
   :: r == DUP -> printf("@ w%d commit: the insert finds a row: duplicate\n", w)
+  :: r == ENDED -> printf("@ w%d commit: the task id has ended (its FAILURE stands)\n", w)
   :: r == UNAVAIL -> printf("@ w%d commit: no answer (lost reply)\n", w)
   :: else -> skip
   fi

@@ -34,6 +34,7 @@ bit once;
 
 /* Outcomes of a step, kept apart from tokens (1..MAX_TOKEN). */
 #define BUSY 0
+#define ENDED 250       /* PROPOSE_ENDED_AT_COMMIT: the task id had ended */
 #define STALE 251
 #define DUP 252
 #define ACCEPTED 253
@@ -71,6 +72,9 @@ byte task_acc[NT];      /* the token of the task id's accepted row (0: none) */
 /* Result backend: state, and the token whose value a SUCCESS carries. */
 byte be_st[NT];
 byte be_val[NT];
+#ifdef LEASE_BACKEND
+byte be_tok[NT];        /* the lease+ backend's record token (0: written without one) */
+#endif
 
 /* Broker: copies of each task id waiting, first deliveries and late copies
  * (a redelivery, a re-publish), and every message not acked yet. */

@@ -272,7 +272,11 @@ prepare:
 
 /* The task returned the committed value: Celery stores SUCCESS, then acks. */
 committed:
-#ifndef MUT_D
+#ifdef LEASE_BACKEND
+  /* @code celery_lease/backend.py:LeaseBackend._store_result "logger.debug(\"result backend: %s's SUCCESS was written by its commit\", task_id)" */
+  skip; /* the tracer's SUCCESS write: its commit wrote it */
+#endif
+#if !defined(MUT_D) && !defined(LEASE_BACKEND)
   if
   CRASH
   :: atomic {
