@@ -483,8 +483,8 @@ def test_list_leaves_out_a_lease_the_store_keeps_past_its_expiry(
 
     SQL and the in-memory store keep an expired row; Redis deletes the hash by
     its PEXPIRE, which fires in the millisecond after the ``expires`` field the
-    scripts decide by (the window a property test once hit). For Redis the hash
-    is made to stay (PERSIST), so the window is wide open rather than hit by chance.
+    scripts decide by. For Redis the hash is made to stay (PERSIST), so that
+    window is held open rather than hit by chance.
     """
     if store_kind == "etcd":
         pytest.skip(
