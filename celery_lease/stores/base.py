@@ -330,9 +330,7 @@ class LeaseStore(ABC):
         if has_unstorable(prefix):
             return []  # NUL or a lone surrogate: no stored key contains one
         records = self.do_list(prefix, expired)
-        # A store may still hold a record its clock has already expired (Redis
-        # deletes a hash in the millisecond after its 'expires' field): liveness
-        # is the record's own verdict, as in inspect, never the record's presence.
+        # Live by the store's clock, not by presence: Redis deletes a hash ~1 ms after it expires.
         return records if expired else [r for r in records if r.live]
 
     def evict(self, key: str, token: int | None = None) -> LeaseRecord | None:
