@@ -48,16 +48,30 @@ untouched; copy.* rows apply after a raised body and a refused commit alike)::
     commit.duplicate      commit refused, once mode, the key's result accepted -> DUPLICATE
     commit.retry          store unavailable at commit, lease time left -> RETRY
     commit.unknown        store unavailable at commit, lease ran out -> REQUEUE
+    commit.ended          commit refused, this task id has ended -> STORE_FAILURE (end.*)
     not_done.newer        not done, another task id's newer result accepted -> STORE_FAILURE
     not_done.taken_over   not done, a live holder that has not ended -> STORE_FAILURE
     not_done.holder_ended not done, the live holder a late copy of an ended task -> REQUEUE
     not_done.nobody       not done, nobody newer did or does the work -> REQUEUE
+    end.unfenced          a FAILURE to store, the task records no result -> STORE_FAILURE
+    end.marked            the task id's end recorded under the key's lock -> STORE_FAILURE
+    end.stored            recorded before, the backend holds a final state -> REJECT_ENDED
+    end.unstored          recorded before, no final state stored yet -> STORE_FAILURE
+    end.backend_down      recorded before, the backend unreadable -> DEFER uncounted, default
+    end.accepted          not recorded: a copy of this task id accepted -> DEFER uncounted, default
+    end.copy_holds        not recorded: a copy of this task id holds the key -> DEFER uncounted
+    end.holder_gone       not recorded: the taker gone, or its task id ended -> REQUEUE
+    end.unavailable       result db unavailable for the end -> DEFER uncounted, default
     defer.limit           counted, lease_defer_max reached -> REJECT LeaseNotAcquired
     defer.counted         behind another task id's lease -> DEFER, deferrals + 1
     defer.uncounted       behind this task id, or an outage -> DEFER, deferrals unchanged
     republish.queued      the marker names a newer copy of this task id -> DROP
     republish.publish     the marker names this copy, or what it replaces, or none -> PUBLISH
 
+"End": a STORE_FAILURE after the body (``not_done.newer``, ``not_done.taken_over``,
+``commit.ended``) is stored only once the task id's end is recorded in the
+result table (``end.marked``), where every commit of the key refuses it after:
+another copy of the task id can no longer be accepted over the FAILURE.
 "Uncounted" deferrals do not spend ``lease_defer_max``: it ends an endless
 conflict with *other* task ids; waiting behind a copy of this very task id, or
 out an unreachable store or result database, only delays the work.
@@ -73,10 +87,13 @@ import enum
 from dataclasses import dataclass
 
 from celery_lease.facts import (
+    FAILURE,
     SUCCESS,
     UNREAD,
     Act,
     BackendState,
+    EndAnswer,
+    Ended,
     Failed,
     Holder,
     Newer,
@@ -97,6 +114,9 @@ __all__ = [
     "CommitResult",
     "Defer",
     "Duplicate",
+    "End",
+    "EndAnswer",
+    "Ended",
     "Failed",
     "Holder",
     "Lookup",
@@ -112,6 +132,7 @@ __all__ = [
     "decide_commit",
     "decide_defer",
     "decide_duplicate",
+    "decide_end",
     "decide_lookup",
     "decide_not_done",
     "decide_republish",
@@ -384,6 +405,7 @@ class CommitResult(enum.Enum):
     ACCEPTED = "accepted"
     STALE = "stale"
     DUPLICATE = "duplicate"
+    ENDED = "ended"  # TaskEnded: this task id has an end mark
     UNAVAILABLE = "unavailable"
 
 
@@ -401,6 +423,8 @@ def decide_commit(s: Commit) -> Outcome:
         return Outcome("commit.fenced", Act.NOT_DONE)
     if s.result is CommitResult.DUPLICATE:
         return Outcome("commit.duplicate", Act.DUPLICATE)
+    if s.result is CommitResult.ENDED:
+        return Outcome("commit.ended", Act.STORE_FAILURE)
     if s.retry_left:
         return Outcome("commit.retry", Act.RETRY)
     # The outcome is unknown and the lease has run out: redo. If the commit
@@ -469,6 +493,53 @@ def _finished_elsewhere(s: NotDone, holder: Holder, newer: Newer | None) -> bool
     if s.holder_state is UNREAD:
         return Read.HOLDER_STATE
     return s.holder_state is not None and s.holder_state.lease_failure
+
+
+@dataclass(frozen=True)
+class End:
+    """A FAILURE to store after the body: first the task id's end (result_end)."""
+
+    ttl: float
+    fenced: bool  # the task commits to the result table and stores its state
+    take_over: bool  # decided because another task id holds the key
+    answer: EndAnswer | Failed | Unread = UNREAD
+    own_state: BackendState | Unread | None = UNREAD  # None: unreadable
+
+
+def decide_end(s: End) -> Outcome | Read:
+    if not s.fenced:
+        return Outcome("end.unfenced", Act.STORE_FAILURE)
+    if s.answer is UNREAD:
+        return Read.END
+    if isinstance(s.answer, Failed):
+        why = f"result database unavailable: {s.answer.error}"
+        return Outcome("end.unavailable", Act.DEFER, why, countdown=_default(s.ttl))
+    ended = s.answer.ended
+    if ended is Ended.MARKED:
+        return Outcome("end.marked", Act.STORE_FAILURE)
+    if ended is Ended.ALREADY:
+        return _ended_before(s)
+    if ended is Ended.ACCEPTED:
+        # A copy that finds the row accepted stores its SUCCESS if it is missing.
+        why = "another execution of this task id committed"
+        return Outcome("end.accepted", Act.DEFER, why, countdown=_default(s.ttl))
+    if ended is Ended.COPY_HOLDS:
+        why = "a copy of this task id holds the lease"
+        return Outcome("end.copy_holds", Act.DEFER, why, countdown=s.answer.remaining)
+    return _requeue("end.holder_gone")
+
+
+def _ended_before(s: End) -> Outcome | Read:
+    """Another copy recorded the end: its FAILURE stands, unless it died first.
+    Read first, write only if needed: a second FAILURE could differ from the first."""
+    if s.own_state is UNREAD:
+        return Read.OWN_STATE
+    if s.own_state is None:
+        why = "result backend unavailable"
+        return Outcome("end.backend_down", Act.DEFER, why, countdown=_default(s.ttl))
+    if s.own_state.status in (SUCCESS, FAILURE):
+        return Outcome("end.stored", Act.REJECT_ENDED, "its task id has ended")
+    return Outcome("end.unstored", Act.STORE_FAILURE)
 
 
 # -- deferring -----------------------------------------------------------------------

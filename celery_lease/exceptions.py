@@ -22,6 +22,7 @@ __all__ = [
     "ResultTooLarge",
     "StaleFencingToken",
     "StoreUnavailable",
+    "TaskEnded",
 ]
 
 
@@ -84,6 +85,17 @@ class StaleFencingToken(_Structured):
         if current is not None:
             msg += f" (newest is {current})"
         self._message = msg + (f": {reason}" if reason else "")
+
+
+class TaskEnded(StaleFencingToken):
+    """A commit refused because its task id has ended: another execution of it
+    was refused and celery-lease recorded the task id's FAILURE (its end mark)
+    before storing it, so no copy of that task id is accepted after it."""
+
+    def __init__(self, key: str, token: int, task_id: str | None = None):
+        super().__init__(key, token, None, f"task {task_id} has ended (its FAILURE stands)")
+        self.task_id = task_id
+        self.args = (key, token, task_id)  # rebuilt as cls(*args) by Celery's JSON
 
 
 class DuplicateResult(_Structured):

@@ -46,6 +46,7 @@ from celery_lease.exceptions import (
     LeaseNotAcquired,
     StaleFencingToken,
     StoreUnavailable,
+    TaskEnded,
 )
 from celery_lease.reads import Reads
 from celery_lease.renewal import HeldLease, renewer
@@ -282,9 +283,12 @@ class Execution:
             try:
                 self._commit_once(held, retval, encoded, record)
                 facts = decide.Commit(decide.CommitResult.ACCEPTED)
-            except StaleFencingToken as e:
+            except StaleFencingToken as e:  # TaskEnded is one
                 stale = e
-                facts = decide.Commit(decide.CommitResult.STALE)
+                ended = isinstance(e, TaskEnded)
+                facts = decide.Commit(
+                    decide.CommitResult.ENDED if ended else decide.CommitResult.STALE
+                )
             except DuplicateResult as e:
                 dup = e
                 facts = decide.Commit(decide.CommitResult.DUPLICATE)
@@ -303,6 +307,9 @@ class Execution:
             if outcome.act is Act.NOT_DONE:
                 metrics.stale_commits.inc()
                 self.not_done(stale, events.FENCED)
+            if outcome.act is Act.STORE_FAILURE:  # commit.ended
+                metrics.stale_commits.inc()
+                self.end(stale, events.FENCED)
             if outcome.act is Act.DUPLICATE:
                 self.duplicate(DuplicateResult(dup.key, self._shown_token(dup.accepted_token)))
             return retval
@@ -338,8 +345,16 @@ class Execution:
         if outcome.note is not None:
             self.event(state, token=token, reason=outcome.note)
         if outcome.act is Act.STORE_FAILURE:
+            self.end(exc, state, take_over=outcome.row == "not_done.taken_over")
+        self.carry_out(outcome)
+
+    def end(self, exc: LeaseError, state: str, *, take_over: bool = False) -> NoReturn:
+        """Store the FAILURE ``exc`` once the task id's end is recorded (decide_end)."""
+        fenced = self.opts.commit and self._backend_enabled()
+        outcome = self.decide(decide.decide_end, decide.End(self.opts.ttl, fenced, take_over))
+        if outcome.act is Act.STORE_FAILURE:
             self._store_failure(exc)
-            self.event(state, token=token, reason=str(exc))
+            self.event(state, token=self.held.token if self.held else None, reason=str(exc))
             raise Ignore()
         self.carry_out(outcome)
 

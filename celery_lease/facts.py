@@ -20,6 +20,8 @@ __all__ = [
     "UNREAD",
     "Act",
     "BackendState",
+    "EndAnswer",
+    "Ended",
     "Failed",
     "Holder",
     "Newer",
@@ -51,6 +53,9 @@ class Read(enum.Enum):
     HOLDER_COMMITTED = "holder_committed"  # whether the holder's task id committed
     HOLDER_STATE = "holder_state"  # the holder's task id's backend state
     MARKER = "marker"  # the task id's deferral marker
+    #: record this task id's end before its FAILURE (results.end): a write
+    #: whose answer the decision needs, made under the key's lock
+    END = "end"
 
 
 class Act(enum.Enum):
@@ -126,3 +131,19 @@ class BackendState:
     def lease_failure(self) -> bool:
         """A FAILURE celery-lease decided (FENCED, LEASE_LOST, duplicate...)."""
         return self.status == FAILURE and self.lease_error
+
+
+class Ended(enum.Enum):
+    """What recording a task id's end answered (``celery_lease.result_end``)."""
+
+    MARKED = "marked"  # recorded now: its FAILURE is to be stored
+    ALREADY = "already"  # recorded before, by another copy of the task id
+    ACCEPTED = "accepted"  # a copy of this task id was accepted first
+    COPY_HOLDS = "copy_holds"  # a copy of this task id holds the key with another grant
+    HOLDER_GONE = "holder_gone"  # take-over: no live holder, or one whose task id ended
+
+
+@dataclass(frozen=True)
+class EndAnswer:
+    ended: Ended
+    remaining: float = 0.0  # COPY_HOLDS: that copy's lease left

@@ -11,7 +11,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.appstate import app_state
-from celery_lease.decide import BackendState, Failed, Holder, Newer, Read
+from celery_lease.decide import BackendState, EndAnswer, Ended, Failed, Holder, Newer, Read
 from celery_lease.exceptions import LeaseError, StoreUnavailable
 from celery_lease.results import AcceptedResult
 from celery_lease.scope import HEADER_DEFER_ID
@@ -66,9 +66,14 @@ class Reads:
                 return {"mine": results.for_task(self.ex.task_id) is not None}
             if what is Read.HOLDER_COMMITTED:
                 return {"holder_committed": results.for_task(facts.holder.task_id) is not None}
+            if what is Read.END:
+                assert self.ex.held is not None
+                mark = results.end(self.ex.held.lease, self.ex.task_id, take_over=facts.take_over)
+                return {"answer": EndAnswer(Ended(mark.kind), mark.remaining)}
         except StoreUnavailable as e:
             failed = {Read.MINE: None, Read.HOLDER_COMMITTED: None}
-            return {what.value: failed.get(what, Failed(str(e)))}
+            field = "answer" if what is Read.END else what.value
+            return {field: failed.get(what, Failed(str(e)))}
         assert what is Read.NEWER_AND_HOLDER, what
         return self._read_newer_and_holder()
 

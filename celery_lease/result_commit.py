@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from celery_lease.exceptions import (
     DuplicateResult,
@@ -25,6 +25,7 @@ from celery_lease.exceptions import (
     LeaseError,
     StaleFencingToken,
     StoreUnavailable,
+    TaskEnded,
 )
 from celery_lease.sql import Conn, Database
 from celery_lease.sql import queries as q
@@ -80,18 +81,33 @@ def insert(
 
     Raises :class:`DuplicateResult` when nothing was written: once mode found
     an accepted row for the key, or this very commit was accepted earlier
-    (:meth:`ResultTable.commit` tells the two apart).
+    (:meth:`ResultTable.commit` tells the two apart); :class:`TaskEnded` when
+    the task id has an end mark.
     """
     after = meta and db.is_sqlite  # the record as a statement of its own
     sql = db.sql.result_insert_meta[once] if meta and not after else db.sql.result_insert[once]
     inserted = conn.commit_after(sql, row) if commit and not after else conn.execute(sql, row)
     accepted_at = inserted.scalar()
     if accepted_at is None:
-        duplicate = conn.execute(q.RESULT_DUPLICATE, {"key": row["key"]}).scalar()
-        raise DuplicateResult(row["key"], None if duplicate is None else int(duplicate))
+        _refused(conn, row)
     if after:
         conn.execute(db.sql.meta_commit, row)
     return float(accepted_at)
+
+
+def _refused(conn: Conn, row: dict[str, Any]) -> NoReturn:
+    """Why the insert wrote nothing: the task id's end mark, else a row of the key."""
+    _raise_if_ended(conn, row)
+    duplicate = conn.execute(q.RESULT_DUPLICATE, {"key": row["key"]}).scalar()
+    raise DuplicateResult(row["key"], None if duplicate is None else int(duplicate))
+
+
+def _raise_if_ended(conn: Conn, row: dict[str, Any]) -> None:
+    """TaskEnded if the refused row's task id has an end mark: reported before a
+    duplicate, so its FAILURE stands even in once mode with ``return``."""
+    task_id = row["task_id"]
+    if task_id is not None and conn.execute(q.ENDED_FOR_TASK, {"task_id": task_id}).first():
+        raise TaskEnded(row["key"], row["token"], task_id)
 
 
 def commit_colocated(
@@ -112,7 +128,7 @@ def commit_colocated(
     own = db.sql.result_own_lease(release, len(lease.keys))
     params = key_params(lease.keys)
     params.update(owner_id=lease.owner_id, token=lease.token)
-    duplicate: DuplicateResult | None = None
+    refused: DuplicateResult | TaskEnded | None = None
     with db.transaction() as conn:
         now = conn.now()
         owned = len(conn.execute(own, {**params, "now": now}).all())
@@ -126,10 +142,10 @@ def commit_colocated(
             )
         try:
             accepted_at = insert(db, conn, row, once, meta=meta)
-        except DuplicateResult as e:
-            duplicate = e  # the release above still commits
-    if duplicate is not None:
-        raise duplicate
+        except (DuplicateResult, TaskEnded) as e:
+            refused = e  # the release above still commits
+    if refused is not None:
+        raise refused
     return accepted_at
 
 
@@ -156,6 +172,8 @@ def _commit_colocated_pg(
             "the lease is no longer held by this owner",
         )
     if accepted is None:
+        with table.db.single() as conn:
+            _raise_if_ended(conn, row)
         raise DuplicateResult(lease.key, None if duplicate_token is None else int(duplicate_token))
     return float(accepted)
 

@@ -47,6 +47,7 @@ def _sweep_once(db: Database, result_expires: float | None, lease_grace: float) 
         swept_results = 0
         if result_expires is not None:
             swept_results = conn.execute(q.SWEEP_RESULTS, {"cutoff": now - result_expires}).rowcount
+            conn.execute(q.SWEEP_ENDED, {"cutoff": now - result_expires})
         cutoff = now - lease_grace
         internal = {"internal": INTERNAL_PREFIX, "internal_len": len(INTERNAL_PREFIX)}
         conn.execute(q.SWEEP_KEEP_FENCES, {"cutoff": cutoff, "now": now, **internal})

@@ -72,6 +72,8 @@ from celery_lease.exceptions import (
 )
 from celery_lease.keys import shorten
 from celery_lease.result_commit import MetaRecord, commit_colocated, commit_remote
+from celery_lease.result_end import EndMark
+from celery_lease.result_end import end as end_task
 from celery_lease.result_sweep import sweep as sweep_table
 from celery_lease.sql import database
 from celery_lease.sql import queries as q
@@ -91,6 +93,7 @@ __all__ = [
     "DEFAULT_MAX_BYTES",
     "MODES",
     "AcceptedResult",
+    "EndMark",
     "MetaRecord",
     "Prepared",
     "ResultTable",
@@ -378,6 +381,11 @@ class ResultTable:
             row["tenant"],
             row["root_id"],
         )
+
+    def end(self, lease: Lease, task_id: str, *, take_over: bool = False) -> EndMark:
+        """Record that ``task_id`` ends FAILURE, before that FAILURE is stored,
+        so no copy of it is accepted after (or refused: see :mod:`celery_lease.result_end`)."""
+        return end_task(self, lease, task_id, take_over=take_over)
 
     def raise_fence(self, key: str, token: int) -> None:
         """Raise this database's fence for ``key`` to at least ``token`` (never lowers it).

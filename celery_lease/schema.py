@@ -20,7 +20,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-__all__ = ["VERSION_TABLE", "fences", "leases", "metadata", "results", "task_meta"]
+__all__ = ["VERSION_TABLE", "ended", "fences", "leases", "metadata", "results", "task_meta"]
 
 #: Alembic's version table for this package, apart from the application's own.
 VERSION_TABLE = "celery_lease_alembic_version"
@@ -82,6 +82,20 @@ fences = Table(
     Column("resource", Text, primary_key=True),
     Column("fencing_token", BigInteger, nullable=False),
     Column("updated_at", Double, nullable=False),
+)
+
+#: One row per task id whose FAILURE celery-lease decided after its result was
+#: refused (fenced, its lease taken over): written, under the key's lock,
+#: before that FAILURE is stored, and checked by every commit, so no copy of
+#: the task id is accepted over it. Swept with the results.
+ended = Table(
+    "celery_lease_ended",
+    metadata,
+    Column("task_id", Text, primary_key=True),
+    Column("lease_key", Text, nullable=False),
+    Column("fencing_token", BigInteger, nullable=False),
+    Column("ended_at", Double, nullable=False),
+    Index(None, "ended_at"),
 )
 
 #: The Celery result backend's records (``celery_lease.backend.LeaseBackend``):

@@ -26,12 +26,13 @@ from celery_lease.sql.meta_queries import (
 )
 from celery_lease.sql.queries import (
     _INSPECT,
+    _LEASE_ROW,
     _LIST,
     _RELEASE_IN,
     _RENEW_LEASE,
+    _RESULT_GUARDS,
     _RESULT_INSERT,
     _RESULT_INSERT_META,
-    _RESULT_ONCE_GUARD,
     _RESULT_OWN_LEASE,
     _SELECT_FENCES_IN,
     _SELECT_LEASES_IN,
@@ -65,12 +66,14 @@ class Dialect:
         self.list_leases = _LIST.format(now=now)
         #: Commit with leases elsewhere: the key's fence row, locked (PostgreSQL).
         self.lock_fence = FENCE_CURRENT if sqlite else FENCE_CURRENT + " FOR UPDATE"
+        #: Leases in this database: a key's lease row, locked (end marks).
+        self.lease_row = _LEASE_ROW.format(now=now) + ("" if sqlite else "FOR UPDATE\n")
         #: The result insert (``_RESULT_INSERT``), by once mode.
         self.result_insert = {
             once: _RESULT_INSERT.format(
                 result=":result" if sqlite else "CAST(:result AS jsonb)",
                 now=now,
-                once_guard=_RESULT_ONCE_GUARD if once else "",
+                guards=_RESULT_GUARDS[once],
             )
             for once in (True, False)
         }
@@ -219,6 +222,7 @@ def rendered(dialect: str) -> Iterator[tuple[str, str]]:
     yield "meta_cleanup", d.meta_cleanup
     yield "release_in", d.release_in(1)
     yield "select_leases_in", d.select_leases_in(1)
+    yield "lease_row", d.lease_row
     if pg:  # on SQLite, lock_fence is FENCE_CURRENT itself
         yield "lock_fence", d.lock_fence
         for (release, once, one_key), sql in queries.PG_COMMIT_COLOCATED.items():

@@ -292,11 +292,19 @@ _RESULT_INSERT = """
 INSERT INTO celery_lease_results
     (lease_key, fencing_token, task_id, task_name, owner_id, tenant, root_id, result, accepted_at)
 SELECT :key, :token, :task_id, :task_name, :owner_id, :tenant, :root_id, {result}, {now}
-{once_guard}
+{guards}
 ON CONFLICT (lease_key, fencing_token) DO NOTHING
 RETURNING accepted_at
 """
 _RESULT_ONCE_GUARD = "WHERE NOT EXISTS (SELECT 1 FROM celery_lease_results WHERE lease_key = :key)"
+#: No row for a task id that has ended (celery_lease/result_end.py): the
+#: commit's transaction holds the key's lock, so it sees every end mark made before.
+_ENDED_GUARD = "NOT EXISTS (SELECT 1 FROM celery_lease_ended WHERE task_id = :task_id)"
+#: The insert's WHERE, by once mode.
+_RESULT_GUARDS = {
+    True: f"{_RESULT_ONCE_GUARD}\n  AND {_ENDED_GUARD}",
+    False: f"WHERE {_ENDED_GUARD}",
+}
 #: PostgreSQL, with a result backend's record to write (the task's SUCCESS in
 #: ``celery_lease_task_meta``, the ``lease+`` backend in this database): the
 #: insert (``{insert}``, ``_RESULT_INSERT`` rendered) and the record, written
@@ -334,6 +342,8 @@ ORDER BY fencing_token DESC LIMIT :limit
 """
 #: Sweeper: results past retention.
 SWEEP_RESULTS = "DELETE FROM celery_lease_results WHERE accepted_at < :cutoff"
+#: Sweeper: end marks past the same retention.
+SWEEP_ENDED = "DELETE FROM celery_lease_ended WHERE ended_at < :cutoff"
 #: Sweeper: copy long-expired lease rows' tokens into the fence rows first, so
 #: a later claim still gets a larger one.
 SWEEP_KEEP_FENCES = """
@@ -354,6 +364,27 @@ DELETE FROM celery_lease_fences
 WHERE substr(resource, 1, :internal_len) = :internal
   AND NOT EXISTS (SELECT 1 FROM celery_lease_leases l
                   WHERE l.lease_key = celery_lease_fences.resource AND l.expires_at >= :cutoff)
+"""
+
+
+# ---------------------------------------------------------------------------
+# End marks (celery_lease/result_end.py): a task id whose FAILURE celery-lease
+# decided, recorded under the key's lock before that FAILURE is stored.
+
+#: A task id's end mark (its token), if any.
+ENDED_FOR_TASK = "SELECT fencing_token FROM celery_lease_ended WHERE task_id = :task_id"
+#: Record a task id's end (a second mark of the same task id changes nothing).
+ENDED_INSERT = """
+INSERT INTO celery_lease_ended (task_id, lease_key, fencing_token, ended_at)
+VALUES (:task_id, :key, :token, :now)
+ON CONFLICT (task_id) DO NOTHING
+"""
+#: Leases in this database: one key's lease row and the clock, to lock it
+#: (PostgreSQL appends FOR UPDATE: the colocated commit updates that row).
+_LEASE_ROW = """
+SELECT lease_key, owner_id, fencing_token, expires_at, acquired_at, renewed_at, ttl,
+       task_id, task_name, root_id, tenant, {now} AS now
+FROM celery_lease_leases WHERE lease_key = :key
 """
 
 
@@ -404,6 +435,7 @@ own AS (
            CAST(:result AS jsonb), t.now
     FROM t
     WHERE {owned}{" AND NOT EXISTS (SELECT 1 FROM dup)" if once else ""}
+        AND {_ENDED_GUARD}
     ON CONFLICT (lease_key, fencing_token) DO NOTHING
     RETURNING accepted_at
 ){"," + chr(10) + _PG_META_IN_COMMIT if meta else ""}

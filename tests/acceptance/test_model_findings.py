@@ -49,14 +49,16 @@ def _port(url: str) -> int:
 
 
 class Cell:
-    def __init__(self, redis_url: str, pg_url: str, proxy: LossyProxy) -> None:
+    def __init__(
+        self, redis_url: str, pg_url: str, proxy: LossyProxy, broker: str = "memory://"
+    ) -> None:
         port = _port(pg_url)
         proxied = pg_url.replace(f":{port}/", f":{proxy.port}/", 1)
         self.proxy = proxy
         self.store = LeaseStore.from_url(redis_url)
         self.table = ResultTable(pg_url, self.store)
         name = f"findings-{uuid.uuid4().hex[:6]}"
-        self.app = Celery(name, broker="memory://", backend=redis_url)
+        self.app = Celery(name, broker=broker, backend=redis_url)
         self.app.conf.update(
             lease_store_url=redis_url,
             lease_result_url=proxied,
@@ -140,3 +142,53 @@ def test_a_refused_copy_never_fails_its_task_id_when_it_cannot_read_whether_it_c
         "a copy that could not tell whether T0 committed wrote FAILURE over T0's accepted "
         f"row (A ended {ended})"
     )
+
+
+@pytest.fixture
+def held_back(redis_url: str, request: pytest.FixtureRequest) -> Iterator[Cell]:
+    """A cell whose broker (Redis) marks redeliveries, so a copy without the
+    mark is a first delivery: one that skips the result-backend read."""
+    pg_url = migrated_pg_url(request)
+    with LossyProxy(LOOPBACK, _port(pg_url)) as proxy:
+        c = Cell(redis_url, pg_url, proxy, broker=redis_url)
+        yield c
+        gc.collect()
+        c.app.close()
+        c.store.close()
+
+
+def test_a_task_id_celery_lease_failed_never_turns_successful(held_back: Cell) -> None:
+    """2 and 4. *A FAILURE decided from reads, outdated by another copy of the
+    same task id* (``SPARE_NOT_DONE_RACE``, ``SPARE_LATE_ORIGINAL``). T0's copy
+    A pauses past its TTL (an evict stands for it) and T1 takes the key; A's
+    commit is refused, ``not_done`` finds T1 holding the key and stores T0
+    FAILURE. T0's other copy, a first delivery the broker held back, runs
+    later: it skips the backend read, runs, and its commit was accepted, so
+    SUCCESS overwrote the FAILURE a client may already have read. Now A
+    records T0's end before its FAILURE, and the commit refuses it."""
+    cell = held_back
+    t0, t1 = str(uuid.uuid4()), str(uuid.uuid4())
+    key = new_key("nd-flip")
+    taker: list[Any] = []
+    bodies: list[int] = []
+
+    def t1_takes_the_key(task: Any, k: str) -> None:
+        bodies.append(task.lease.token)
+        cell.store.evict(k)
+        meta = {"task_id": t1, "task_name": cell.work.name}
+        lease = cell.store.claim(k, owner_id="copy-t1", ttl=30, meta=meta)
+        assert lease is not None
+        cell.table.register(lease)
+        taker.append(lease)
+
+    cell.plays[:] = [t1_takes_the_key]
+    cell.work.apply(args=(key,), task_id=t0)
+    assert cell.state(t0) == "FAILURE", "A's refused commit ends T0 (T1 took the key)"
+
+    cell.plays[:] = [lambda task, k: bodies.append(task.lease.token)]
+    assert cell.store.release(taker[0])  # T1 is done with the key
+    cell.work.apply(args=(key,), task_id=t0)  # T0's held-back first delivery
+    assert len(bodies) == 2 and bodies[0] < bodies[1], "the held-back copy never ran its body"
+    final = cell.state(t0)
+    assert cell.table.for_task(t0) is None, f"a copy of T0 was accepted after T0 failed ({final})"
+    assert final == "FAILURE", f"T0 flipped from FAILURE to {final}"

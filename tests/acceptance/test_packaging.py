@@ -100,6 +100,7 @@ def test_wheel_registers_the_result_backend_and_ships_its_migration(wheel: Path)
     }
     assert "celery_lease/backend.py" in names
     assert "celery_lease/migrations/versions/0004_task_meta.py" in names
+    assert "celery_lease/migrations/versions/0005_ended.py" in names
 
 
 @pytest.mark.redis

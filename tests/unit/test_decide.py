@@ -28,6 +28,9 @@ from celery_lease.decide import (
     CommitResult,
     Defer,
     Duplicate,
+    End,
+    EndAnswer,
+    Ended,
     Failed,
     Holder,
     Lookup,
@@ -103,6 +106,10 @@ def not_done(**kw: Any) -> NotDone:
 
 def newer_holder(newer: Newer | None, holder: Holder | None) -> dict[Read, dict[str, Any]]:
     return {Read.NEWER_AND_HOLDER: {"newer": newer, "holder": holder}}
+
+
+def end_answer(answer: EndAnswer | Failed) -> dict[Read, dict[str, Any]]:
+    return {Read.END: {"answer": answer}}
 
 
 NOT_MINE = {Read.MINE: {"mine": False}}
@@ -582,6 +589,83 @@ CASES = [
         Act.REQUEUE,
         reason="commit outcome unknown",
         note="store unavailable at commit: x",
+    ),
+    Case(  # another copy of this task id ended it: its FAILURE (decide_end next)
+        "commit.ended", decide.decide_commit, Commit(CommitResult.ENDED), Act.STORE_FAILURE
+    ),
+    # -- the end: a FAILURE after the body, recorded first (celery_lease.result_end)
+    Case("end.unfenced", decide.decide_end, End(TTL, False, True), Act.STORE_FAILURE),
+    Case(
+        "end.marked",
+        decide.decide_end,
+        End(TTL, True, True),
+        Act.STORE_FAILURE,
+        answers=end_answer(EndAnswer(Ended.MARKED)),
+        reads=(Read.END,),
+    ),
+    Case(  # the refused copy of an ended task id: the FAILURE stored stands
+        "end.stored",
+        decide.decide_end,
+        End(TTL, True, False),
+        Act.REJECT_ENDED,
+        answers=end_answer(EndAnswer(Ended.ALREADY))
+        | {Read.OWN_STATE: {"own_state": LEASE_FAILURE}},
+        reads=(Read.END, Read.OWN_STATE),
+        reason="its task id has ended",
+    ),
+    Case(  # the copy that recorded the end died before storing its FAILURE
+        "end.unstored",
+        decide.decide_end,
+        End(TTL, True, False),
+        Act.STORE_FAILURE,
+        answers=end_answer(EndAnswer(Ended.ALREADY)) | {Read.OWN_STATE: {"own_state": NOTHING}},
+        reads=(Read.END, Read.OWN_STATE),
+    ),
+    Case(
+        "end.backend_down",
+        decide.decide_end,
+        End(TTL, True, False),
+        Act.DEFER,
+        answers=end_answer(EndAnswer(Ended.ALREADY)) | {Read.OWN_STATE: {"own_state": None}},
+        reads=(Read.END, Read.OWN_STATE),
+        countdown=DEFAULT,
+    ),
+    Case(  # a copy that finds the row accepted stores SUCCESS if it is missing
+        "end.accepted",
+        decide.decide_end,
+        End(TTL, True, False),
+        Act.DEFER,
+        answers=end_answer(EndAnswer(Ended.ACCEPTED)),
+        reads=(Read.END,),
+        countdown=DEFAULT,
+        reason="another execution of this task id committed",
+    ),
+    Case(  # that copy decides; this one waits its lease out, uncounted
+        "end.copy_holds",
+        decide.decide_end,
+        End(TTL, True, False),
+        Act.DEFER,
+        answers=end_answer(EndAnswer(Ended.COPY_HOLDS, 7.0)),
+        reads=(Read.END,),
+        countdown=7.0,
+    ),
+    Case(  # nobody would do the key's work: run again
+        "end.holder_gone",
+        decide.decide_end,
+        End(TTL, True, True),
+        Act.REQUEUE,
+        answers=end_answer(EndAnswer(Ended.HOLDER_GONE)),
+        reads=(Read.END,),
+    ),
+    Case(  # never a FAILURE that no mark covers: wait the outage out
+        "end.unavailable",
+        decide.decide_end,
+        End(TTL, True, True),
+        Act.DEFER,
+        answers=end_answer(Failed("down")),
+        reads=(Read.END,),
+        countdown=DEFAULT,
+        reason="result database unavailable: down",
     ),
     # -- not done (a refused commit, a lost lease)
     Case(  # a newer token's result: no holder read past it, no take-over check

@@ -52,6 +52,7 @@ SITES: dict[str, Site] = {
     # accepted: the value is returned
     "decide_commit": Site(execution.Execution.commit, fallthrough=Act.RUN),
     "decide_not_done": Site(execution.Execution.not_done),
+    "decide_end": Site(execution.Execution.end),
     # counted or not, under the limit: published with its deferral count
     "decide_defer": Site(execution.Execution.defer, fallthrough=Act.DEFER),
     # no other copy queued: publish it and mark it
