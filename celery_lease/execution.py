@@ -50,12 +50,11 @@ from celery_lease.exceptions import (
 )
 from celery_lease.reads import Reads
 from celery_lease.renewal import HeldLease, renewer
-from celery_lease.requeue import republish
+from celery_lease.requeue import deferrals_of, republish
 from celery_lease.results import MetaRecord, Prepared, encode_result
 from celery_lease.runtime import runtime
 from celery_lease.scope import (
     DEFER_MARKER,
-    HEADER_DEFERRALS,
     HEADER_KEYS,
     HEADER_TENANT,
     authorize,
@@ -304,12 +303,10 @@ class Execution:
                 self.event(events.FENCED, reason=outcome.note)
                 self.republish(0.0, reason=outcome.reason)
             held.released = True
-            if outcome.act is Act.NOT_DONE:
+            if outcome.act in (Act.NOT_DONE, Act.STORE_FAILURE):  # STORE_FAILURE: commit.ended
                 metrics.stale_commits.inc()
-                self.not_done(stale, events.FENCED)
-            if outcome.act is Act.STORE_FAILURE:  # commit.ended
-                metrics.stale_commits.inc()
-                self.end(stale, events.FENCED)
+                after = self.not_done if outcome.act is Act.NOT_DONE else self.end
+                after(stale, events.FENCED)
             if outcome.act is Act.DUPLICATE:
                 self.duplicate(DuplicateResult(dup.key, self._shown_token(dup.accepted_token)))
             return retval
@@ -422,7 +419,7 @@ class Execution:
         leases (``counted``): see celery_lease.decide. An outage of any length
         delays the work, it never turns it into a FAILURE.
         """
-        deferrals = self._deferrals()
+        deferrals = deferrals_of(self.req)
         facts = decide.Defer(counted, deferrals, self.cfg.defer_max, remaining, reason)
         outcome = decide.decide_defer(facts)
         if outcome.act is Act.REJECT:
@@ -431,19 +428,11 @@ class Execution:
         metrics.claims.labels("deferred").inc()
         self.republish(countdown, reason=reason, deferrals=outcome.deferrals)
 
-    def _deferrals(self) -> int:
-        """Counted deferrals so far (a header anyone may set: never below 0)."""
-        value = getattr(self.req, HEADER_DEFERRALS, 0)
-        if isinstance(value, bool):
-            return 0
-        try:
-            return max(0, int(value or 0))
-        except (TypeError, ValueError):
-            return 0
-
     def republish(self, countdown: float, *, reason: str, deferrals: int | None = None) -> NoReturn:
         """Publish this task id again (at most one outstanding copy), then Ignore."""
-        republish(self, countdown, reason, self._deferrals() if deferrals is None else deferrals)
+        republish(
+            self, countdown, reason, deferrals_of(self.req) if deferrals is None else deferrals
+        )
 
     def marker(self) -> str:
         return DEFER_MARKER + self.task_id

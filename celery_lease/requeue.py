@@ -47,9 +47,20 @@ from celery_lease.scope import (
 if TYPE_CHECKING:
     from celery_lease.execution import Execution
 
-__all__ = ["republish"]
+__all__ = ["deferrals_of", "republish"]
 
 logger = logging.getLogger(__name__)
+
+
+def deferrals_of(req: Any) -> int:
+    """A copy's counted deferrals so far (a header anyone may set: never below 0)."""
+    value = getattr(req, HEADER_DEFERRALS, 0)
+    if isinstance(value, bool):
+        return 0
+    try:
+        return max(0, int(value or 0))
+    except (TypeError, ValueError):
+        return 0
 
 
 def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> NoReturn:

@@ -42,7 +42,7 @@ from celery_lease.stores.sql import _record
 if TYPE_CHECKING:
     from celery_lease.results import ResultTable
 
-__all__ = ["ACCEPTED", "ALREADY", "COPY_HOLDS", "HOLDER_GONE", "MARKED", "EndMark", "end"]
+__all__ = ["ACCEPTED", "ALREADY", "COPY_HOLDS", "HOLDER_GONE", "MARKED", "EndMark", "end_task"]
 
 MARKED = "marked"
 ALREADY = "already"
@@ -60,7 +60,7 @@ class EndMark:
     remaining: float = 0.0
 
 
-def end(table: ResultTable, lease: Lease, task_id: str, *, take_over: bool) -> EndMark:
+def end_task(table: ResultTable, lease: Lease, task_id: str, *, take_over: bool) -> EndMark:
     """Record ``task_id``'s end for ``lease``'s key, unless a check refuses it.
 
     ``take_over``: the FAILURE was decided because another task id holds the

@@ -40,16 +40,14 @@ unit of work: at most one accepted row per key, every later commit raises
 :class:`DuplicateResult` (a stale token is reported first, as
 :class:`StaleFencingToken`).
 
-Results are JSON only (never a Python-object serializer) and size-limited; a value that
-cannot be stored fails before anything is written.
+Results are JSON only and size-limited; a value that cannot be stored fails first.
 
 A commit may carry a :class:`MetaRecord`, a result backend's record of the
-task (the ``lease+`` backend's SUCCESS, when its table is in this database):
-it is written in the commit's transaction, with the lease's token, exactly
-when the result row is (see :mod:`celery_lease.result_commit`).
+task (the ``lease+`` backend's SUCCESS, when its table is in this database),
+written in the commit's transaction with the lease's token exactly when the row is.
 
-This module is the table's API and its reads; the two commit transactions are
-in :mod:`celery_lease.result_commit`, retention in :mod:`celery_lease.result_sweep`.
+This module is the table's API and its reads; the commits are in
+:mod:`~.result_commit`, end marks in :mod:`~.result_end`, retention in :mod:`~.result_sweep`.
 """
 
 from __future__ import annotations
@@ -72,8 +70,7 @@ from celery_lease.exceptions import (
 )
 from celery_lease.keys import shorten
 from celery_lease.result_commit import MetaRecord, commit_colocated, commit_remote
-from celery_lease.result_end import EndMark
-from celery_lease.result_end import end as end_task
+from celery_lease.result_end import EndMark, end_task
 from celery_lease.result_sweep import sweep as sweep_table
 from celery_lease.sql import database
 from celery_lease.sql import queries as q
@@ -383,8 +380,7 @@ class ResultTable:
         )
 
     def end(self, lease: Lease, task_id: str, *, take_over: bool = False) -> EndMark:
-        """Record that ``task_id`` ends FAILURE, before that FAILURE is stored,
-        so no copy of it is accepted after (or refused: see :mod:`celery_lease.result_end`)."""
+        """Record ``task_id``'s end before its FAILURE is stored (:mod:`~.result_end`)."""
         return end_task(self, lease, task_id, take_over=take_over)
 
     def raise_fence(self, key: str, token: int) -> None:
