@@ -90,7 +90,8 @@ class StaleFencingToken(_Structured):
 class TaskEnded(StaleFencingToken):
     """A commit refused because its task id has ended: another execution of it
     was refused and celery-lease recorded the task id's FAILURE (its end mark)
-    before storing it, so no copy of that task id is accepted after it."""
+    before storing it, so no copy of that task id is accepted after it.
+    ``token`` is that execution's (the mark's), not the refused commit's."""
 
     def __init__(self, key: str, token: int, task_id: str | None = None):
         super().__init__(key, token, None, f"task {task_id} has ended (its FAILURE stands)")

@@ -282,12 +282,11 @@ class Execution:
             try:
                 self._commit_once(held, retval, encoded, record)
                 facts = decide.Commit(decide.CommitResult.ACCEPTED)
-            except StaleFencingToken as e:  # TaskEnded is one
-                stale = e
+            except StaleFencingToken as e:  # TaskEnded is one: stored as what it is, fenced
                 ended = isinstance(e, TaskEnded)
-                facts = decide.Commit(
-                    decide.CommitResult.ENDED if ended else decide.CommitResult.STALE
-                )
+                stale = StaleFencingToken(e.key, e.token, e.current, e.reason) if ended else e
+                result = decide.CommitResult.ENDED if ended else decide.CommitResult.STALE
+                facts = decide.Commit(result)
             except DuplicateResult as e:
                 dup = e
                 facts = decide.Commit(decide.CommitResult.DUPLICATE)

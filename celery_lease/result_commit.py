@@ -106,8 +106,10 @@ def _raise_if_ended(conn: Conn, row: dict[str, Any]) -> None:
     """TaskEnded if the refused row's task id has an end mark: reported before a
     duplicate, so its FAILURE stands even in once mode with ``return``."""
     task_id = row["task_id"]
-    if task_id is not None and conn.execute(q.ENDED_FOR_TASK, {"task_id": task_id}).first():
-        raise TaskEnded(row["key"], row["token"], task_id)
+    if task_id is not None:
+        marked = conn.execute(q.ENDED_FOR_TASK, {"task_id": task_id}).scalar()
+        if marked is not None:  # the token of the copy that ended it: the stale one
+            raise TaskEnded(row["key"], int(marked), task_id)
 
 
 def commit_colocated(

@@ -90,6 +90,7 @@ def test_no_copy_of_an_ended_task_id_is_accepted(pairing: Pairing, mode: str) ->
         p.table.commit(c, {"by": "C"}, mode=mode, task_id=t0)
     assert isinstance(refused.value, StaleFencingToken)
     assert refused.value.task_id == t0
+    assert refused.value.token == a.token, "it names the token that ended T0, not C's"
     assert p.table.for_task(t0) is None
     assert result_rows(p.result_url, key) == []
     # The refused copy finds the mark (and stores FAILURE only if none is stored).
