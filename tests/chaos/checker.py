@@ -100,6 +100,14 @@ Definitions (the violation kinds it reports):
     database's time): per task id, a write by token *t* never follows one by
     a token *t' > t*, and never lands after a copy of the same task id was
     granted a newer token (``written_at > acquired_at + EPS``).
+``ended_accept``
+    No task id has both an end mark (``celery_lease_ended``: celery-lease
+    decided its FAILURE after its result was refused) and an accepted row:
+    the mark is refused once a copy was accepted, and every commit refuses a
+    marked task id.
+``ended_outcome``
+    A task id with an end mark ends ``FAILURE`` once the system settled: its
+    FAILURE stands, never turned ``SUCCESS`` by another copy.
 ``unexpected_failure``
     Any other ``FAILURE`` (``DuplicateResult`` is expected in ``once`` mode).
 """
@@ -229,6 +237,8 @@ class History:
     broker: str = "redis"
     #: every state the backend stored per task id, in order (None: not observed)
     backend_history: dict[str, list[Backend]] | None = None
+    #: the end marks, task id -> the token that ended it
+    ended: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -327,6 +337,7 @@ def check(h: History) -> Report:
             continue
         out.append(Violation("lost_key", key, f"no accepted result for {len(tasks)} task(s)"))
     out += _check_accepted_outcome(h, accepted_by_key)
+    out += _check_ended(h, subs)
     out += _check_backend(h, subs, accepted_by_key, attempts_by_key)
     if h.backend_history is not None:
         out += _check_backend_history(h, subs)
@@ -343,6 +354,7 @@ def check(h: History) -> Report:
         ),
         "lost_plugin": len(lost_plugin),
         "lost_broker": len(lost_broker),
+        "ended": len(h.ended),
     }
     return Report(out, lost_plugin, lost_broker, lost_keys_broker, figures)
 
@@ -603,6 +615,25 @@ def _check_accepted_outcome(
                     f"(token {row.token}): {row.value!r}",
                 )
             )
+    return out
+
+
+def _check_ended(h: History, subs: Mapping[str, Submission]) -> list[Violation]:
+    out = []
+    accepted = {r.task_id: r for r in h.accepted if r.task_id}
+    for task_id, token in sorted(h.ended.items()):
+        key = subs[task_id].key if task_id in subs else None
+        row = accepted.get(task_id)
+        if row is not None:
+            out.append(Violation("ended_accept", key, (
+                f"task {task_id} was ended by token {token} and has an accepted row "
+                f"(token {row.token})"
+            )))  # fmt: skip
+        b = h.backend.get(task_id)
+        if b is not None and b.state != "FAILURE":
+            out.append(Violation("ended_outcome", key, (
+                f"task {task_id} was ended by token {token} but is {b.state} in the backend"
+            )))  # fmt: skip
     return out
 
 

@@ -407,6 +407,10 @@ class Run:
                     )
                 )
             ]
+            ended = {
+                r.task_id: int(r.fencing_token)
+                for r in conn.execute(text("SELECT task_id, fencing_token FROM celery_lease_ended"))
+            }
         engine.dispose()
         raw = self.backend.states([s.task_id for s in subs])
         self.backend_history = self.backend.history()
@@ -439,6 +443,7 @@ class Run:
             transport_lost=transport_lost,
             broker=self.opts.broker,
             backend_history=self.backend_history,
+            ended=ended,
         )
         return history, extra
 
@@ -587,6 +592,7 @@ def format_table(f: dict[str, Any], report: Report) -> str:
         ("executions (bodies started)", str(f["executions"])),
         ("deliveries run (task_prerun)", str(f["prerun"])),
         ("accepted results", str(f["accepted"])),
+        ("task ids ended by celery-lease (end marks)", str(f["ended"])),
         ("protected writes", str(f["protected_writes"])),
         ("protected writes refused (fenced)", str(f["writes_refused"])),
     ]

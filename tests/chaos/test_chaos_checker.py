@@ -293,6 +293,26 @@ def test_fenced_work_nobody_newer_did_is_lost_work() -> None:
     assert "lost_work" in kinds(h)
 
 
+def test_an_ended_task_id_that_ends_failure_passes() -> None:
+    h = clean()
+    h.ended = {"T5": 5}  # T5 fenced by T2's newer result, its end recorded first
+    assert check(h).violations == []
+    assert check(h).figures["ended"] == 1
+
+
+def test_an_ended_task_id_with_an_accepted_row_is_reported() -> None:
+    h = clean()
+    h.ended = {"T2": 15}  # a mark on T2, whose copy (token 20) was accepted
+    assert "ended_accept" in kinds(h)
+
+
+def test_an_ended_task_id_that_turned_successful_is_reported() -> None:
+    h = clean()
+    h.ended = {"T5": 5}
+    h.backend["T5"] = Backend("SUCCESS", result=value(20))
+    assert "ended_outcome" in kinds(h)
+
+
 def test_an_unexpected_failure_is_reported() -> None:
     h = clean()
     h.backend["T5"] = Backend("FAILURE", "OperationalError", ("server closed",))
