@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,16 +27,9 @@ import pytest
 from celery_lease.results import Prepared
 from celery_lease.sql import database
 from celery_lease.sql import queries as q
-from tests.results_helpers import PAIRINGS, Pairing, make_pairing, new_key, wait_for
+from tests.results_helpers import Pairing, make_pairing, new_key, wait_for
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(params=PAIRINGS)
-def pairing(request: pytest.FixtureRequest) -> Iterator[Pairing]:
-    p = make_pairing(request, request.param)
-    yield p
-    p.close()
 
 
 def claim_and_prepare(p: Pairing, key: str, owner: str, task_id: str, once: bool) -> Any:

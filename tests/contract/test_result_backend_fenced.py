@@ -41,16 +41,9 @@ from celery_lease import DuplicateResult, Lease, StaleFencingToken
 from celery_lease.backend import WRITER_ATTR, LeaseWriter, commit_record
 from celery_lease.sql import PG_TRAFFIC, count_pg_traffic
 from tests.contract.test_result_backend import backend_of
-from tests.results_helpers import PAIRINGS, Pairing, make_pairing, new_key, wait_until_expired
+from tests.results_helpers import Pairing, new_key, wait_until_expired
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(params=PAIRINGS)
-def pairing(request: pytest.FixtureRequest) -> Iterator[Pairing]:
-    p = make_pairing(request, request.param)
-    yield p
-    p.close()
 
 
 @pytest.fixture

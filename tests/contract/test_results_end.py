@@ -13,7 +13,6 @@ with ``store.inspect``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -22,12 +21,9 @@ import pytest
 from celery_lease import Lease, StaleFencingToken
 from celery_lease.exceptions import TaskEnded
 from celery_lease.result_end import ACCEPTED, ALREADY, COPY_HOLDS, HOLDER_GONE, MARKED, EndMark
-from celery_lease.results import MODES
 from celery_lease.sql import database
 from tests.results_helpers import (
-    PAIRINGS,
     Pairing,
-    make_pairing,
     new_key,
     result_rows,
     wait_for,
@@ -38,18 +34,6 @@ TTL = 1.0
 LONG_TTL = 30.0
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(params=PAIRINGS)
-def pairing(request: pytest.FixtureRequest) -> Iterator[Pairing]:
-    p = make_pairing(request, request.param)
-    yield p
-    p.close()
-
-
-@pytest.fixture(params=MODES)
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 def claim(p: Pairing, key: str, owner: str, task_id: str, ttl: float = LONG_TTL) -> Lease:

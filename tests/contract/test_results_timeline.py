@@ -14,16 +14,12 @@ clock.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from celery_lease import DuplicateResult, Lease, StaleFencingToken
-from celery_lease.results import MODES, AcceptedResult
+from celery_lease.results import AcceptedResult
 from tests.results_helpers import (
-    PAIRINGS,
     Pairing,
-    make_pairing,
     new_key,
     result_rows,
     wait_until_expired,
@@ -33,18 +29,6 @@ TTL = 1.0
 LONG_TTL = 30.0
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(params=PAIRINGS)
-def pairing(request: pytest.FixtureRequest) -> Iterator[Pairing]:
-    p = make_pairing(request, request.param)
-    yield p
-    p.close()
-
-
-@pytest.fixture(params=MODES)
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 def claim(p: Pairing, key: str, owner: str, ttl: float = LONG_TTL, **meta: str) -> Lease:
