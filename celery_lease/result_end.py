@@ -19,7 +19,8 @@ commit refuses a row of a task id with a mark (``queries._ENDED_GUARD``,
 Under that lock the mark is refused where it would be wrong:
 
 - ``accepted``: a copy of this task id was accepted first (its SUCCESS is the outcome);
-- ``copy_holds``: a copy of this task id holds the key with another grant (it decides);
+- ``copy_holds``: a copy of this task id holds the key with another grant, or
+  held it and has not released it (it decides);
 - ``holder_gone``: for a take-over, the key has no live holder any more, or its
   holder is a copy of a task id that has ended too: nobody would then do the
   key's work, so this task runs again instead of ending.
@@ -107,9 +108,15 @@ def _mark(
         return EndMark(ALREADY)
     if conn.execute(q.RESULT_FOR_TASK, {"task_id": task_id}).first() is not None:
         return EndMark(ACCEPTED)
-    if holder is not None and holder.live:
+    if holder is not None and holder.owner_id is not None:  # live, or run out unreleased
+        # A copy of this task id holds the key, or held it without releasing:
+        # its commit may still be in flight. With the leases in this database
+        # that commit is one statement, which judges the lease by the clock and
+        # snapshot of its start, before it waits for the row this transaction
+        # locked: it would neither see this mark nor find its lease run out.
         if holder.task_id == task_id and holder.token != lease.token:
             return EndMark(COPY_HOLDS, holder.remaining)
+    if holder is not None and holder.live:
         if take_over and holder.task_id is not None and _has_ended(conn, holder.task_id):
             return EndMark(HOLDER_GONE)
     elif take_over:

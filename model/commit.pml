@@ -1,16 +1,32 @@
 /*
  * The fenced commit, included in the worker's body (it uses its locals).
  * Outcomes as decide.decide_commit has them: ACCEPTED -> committed, STALE
- * -> not_done (FENCED), DUP -> the duplicate's FAILURE, UNAVAIL -> retry
- * while the lease's local view lasts, else re-queue.
+ * -> not_done (FENCED), DUP -> the duplicate's FAILURE, ENDED (the task id
+ * has an end mark) -> the end mark's FAILURE, UNAVAIL -> retry while the
+ * lease's local view lasts, else re-queue.
  */
 
 commit:
 #ifdef COLOCATED
+#ifdef PG_STATEMENT_CLOCK
+  /* PostgreSQL's READ COMMITTED, to the letter: the statement reads the
+   * clock (its CTE t) and takes its snapshot when it starts, then waits for
+   * the lease row's lock; after the wait it checks the row's latest version
+   * against that clock, and reads the end marks in that snapshot. Its start
+   * is a read of its own (txf: the lease live by that clock, dup: the task
+   * id's end mark in that snapshot). docs/model.md, finding 5. */
+  atomic {
+    /* @code celery_lease/sql/queries.py:_pg_commit_colocated "WITH t AS (SELECT {_PG_NOW} AS now)," */
+    touch(k);
+    txf = (rec_tok[k] == tok && rec_st[k] == LIVE -> 1 : 0);
+    dup = ended[T];
+    w_cur_at_lock[w] = CURRENT(k, tok);
+    printf("@ w%d commit: the statement starts: by its clock the lease is live: %d; in its snapshot T%d has an end mark: %d\n", w, txf, T, dup)
+  };
+#endif
   if
   CRASH
   :: atomic {
-       SPARE_GUARD CM_ENTER
        /* @code celery_lease/result_commit.py:_commit_colocated_pg "out = table.db.pg_first(statements[release, once, True], row)" */
        if
        :: true -> commit_colocated(w, k, T, tok, r)
@@ -26,7 +42,6 @@ commit:
   if
   CRASH
   :: atomic {
-       SPARE_GUARD CM_ENTER
        if
        :: true -> st_release(k, tok, r)
        :: LOSSY; st_release(k, tok, r); r = UNAVAIL
@@ -46,7 +61,7 @@ commit:
   if
   CRASH
   :: atomic {
-       SPARE_GUARD flock[k] == 0 -> CM_ENTER
+       flock[k] == 0 ->
        fence_lock(w, k, tok, r, txf);
        if
        :: r == OK -> printf("@ w%d commit: locks the fence row (%d), token %d\n", w, fence[k], tok)
@@ -117,8 +132,9 @@ c_caught:
   if
   :: r == ACCEPTED -> goto committed
   :: r == STALE -> goto not_done      /* commit.fenced */
-  :: r == DUP -> goto fail_ack        /* commit.duplicate -> duplicate.reject */
-  :: r == ENDED -> goto ack           /* PROPOSE_ENDED_AT_COMMIT */
+  :: r == DUP -> SPENT goto fail_ack        /* commit.duplicate -> duplicate.reject */
+  /* @code celery_lease/decide.py:decide_commit "return Outcome(\"commit.ended\", Act.STORE_FAILURE)" */
+  :: r == ENDED -> SPENT nxt = E_COMMIT; goto end_mark /* commit.ended -> end.* */
   fi;
 
 /* commit.retry while the local view lasts, else commit.unknown: re-queue

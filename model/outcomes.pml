@@ -21,9 +21,9 @@ release:
      }
   fi;
   if
-  :: nxt == N_ACK -> goto ack
-  :: nxt == N_DEFER -> goto defer_out
-  :: nxt == N_FAIL -> goto fail_ack
+  :: nxt == N_ACK -> nxt = 0; SPENT goto ack
+  :: nxt == N_DEFER -> nxt = 0; SPENT goto defer_out
+  :: nxt == N_FAIL -> nxt = 0; SPENT goto fail_ack
   fi;
 
 /* DEFER and REQUEUE: publish a copy of this task id, then ack this one. */
@@ -39,6 +39,60 @@ defer_out:
      }
   fi;
   goto ack;
+
+/* The end mark (Execution.end, decide.decide_end): before celery-lease
+ * stores FAILURE for a task id whose result was not accepted, it records
+ * the task id's end in the result database (one transaction, mark_end in
+ * model/results.pml); every commit refuses the rows of a task id that has
+ * one. Mutation g, the code before the fix: the FAILURE at once, no mark. */
+#ifdef MUT_G
+#define TO_END(why) SPENT goto fail_ack
+#else
+/* @code celery_lease/execution.py:Execution.not_done "self.end(exc, state, take_over=outcome.row == \"not_done.taken_over\")" */
+#define TO_END(why) SPENT nxt = why; goto end_mark
+#endif
+end_mark:
+  if
+  CRASH
+  :: atomic {
+#ifndef COLOCATED
+       /* @code celery_lease/result_end.py:end_remote "if conn.execute(db.sql.lock_fence, {\"key\": lease.key}).scalar() is None:" */
+       flock[k] == 0 ->
+#endif
+       /* @code celery_lease/reads.py:Reads.read "mark = results.end(self.ex.held.lease, self.ex.task_id, take_over=facts.take_over)" */
+       if
+       :: true -> mark_end(k, T, tok, nxt, r, hl, ht)
+       :: LOSSY; mark_end(k, T, tok, nxt, r, hl, ht); r = UNAVAIL
+       :: LOSSY; r = UNAVAIL
+       fi;
+       say_end(w, T, r);
+       nxt = 0;
+       /* @code celery_lease/decide.py:decide_end "return Outcome(\"end.marked\", Act.STORE_FAILURE)" */
+       /* @code celery_lease/decide.py:decide_end "return Outcome(\"end.copy_holds\", Act.DEFER, why, countdown=s.answer.remaining)" */
+       /* @code celery_lease/decide.py:decide_end "return _requeue(\"end.holder_gone\")" */
+       if
+       :: r == MARKED -> SPENT goto fail_ack /* end.marked: STORE_FAILURE */
+       :: r == ALREADY -> SPENT goto end_before
+       :: else -> SPENT goto defer_out       /* end.accepted, end.copy_holds, end.unavailable: DEFER; end.holder_gone: REQUEUE */
+       fi
+     }
+  fi;
+
+/* Recorded before by another copy: its FAILURE stands, unless that copy
+ * died before storing it (decide._ended_before reads the backend first). */
+end_before:
+  atomic {
+    /* @code celery_lease/decide.py:_ended_before "if s.own_state.status in (SUCCESS, FAILURE):" */
+    if
+    :: own = be_st[T]
+    :: LOSSY; own = UNAVAIL
+    fi
+  };
+  if
+  :: own == UNAVAIL -> SPENT goto defer_out /* end.backend_down: DEFER */
+  :: own == PENDING -> SPENT goto fail_ack  /* end.unstored: STORE_FAILURE */
+  :: else -> SPENT goto ack                 /* end.stored: REJECT_ENDED */
+  fi;
 
 /* A FAILURE celery-lease stores (FENCED, a duplicate), then Ignore. */
 fail_ack:
@@ -73,14 +127,14 @@ copy_of_accepted:
     fi
   };
   if
-  :: r == UNKNOWN -> nxt = N_DEFER; goto release /* accepted.db_down */
-  :: r == NO -> nxt = N_ACK; goto release       /* accepted.swept */
+  :: r == UNKNOWN -> SPENT nxt = N_DEFER; goto release /* accepted.db_down */
+  :: r == NO -> SPENT nxt = N_ACK; goto release       /* accepted.swept */
   :: else -> skip
   fi;
   /* @code celery_lease/decide.py:_accepted_redelivery "if s.own_state.status != SUCCESS:" */
   atomic { own = be_st[T] };
   if
-  :: own == SUCCESS -> nxt = N_ACK; goto release /* accepted.present */
+  :: own == SUCCESS -> SPENT nxt = N_ACK; goto release /* accepted.present */
   :: else -> skip
   fi;
   if
@@ -99,10 +153,6 @@ copy_of_accepted:
  * reads one by one, each its own round trip, each may fail. */
 not_done:
   atomic {
-#ifdef SPARE_NOT_DONE_RACE
-    CM_LEAVE
-    cm_copies[T] == 0 -> nd_copies[T]++; nd_in = 1;
-#endif
     /* @code celery_lease/reads.py:Reads._read_newer_and_holder "accepted = self.ex.rt.results.accepted(self.ex.key, self.ex.tenant)" */
     if
     :: nw = acc_new[k]; nwt = acc_new_task[k]
@@ -143,32 +193,32 @@ nd_decide:
      /* @code celery_lease/decide.py:_leave_to_copy "if own_state is not None and own_state.status != SUCCESS:" */
      atomic { own = be_st[T] };
      if
-     :: own != SUCCESS -> goto defer_out /* copy.unstored: DEFER */
-     :: else -> goto ack                 /* copy.committed: LEAVE_TO_COPY */
+     :: own != SUCCESS -> SPENT goto defer_out /* copy.unstored: DEFER */
+     :: else -> SPENT goto ack                 /* copy.committed: LEAVE_TO_COPY */
      fi
   :: else -> skip
   fi;
   if
-  :: hl && ht == T + 1 -> goto defer_out /* copy.holds: DEFER */
+  :: hl && ht == T + 1 -> SPENT goto defer_out /* copy.holds: DEFER */
   :: else -> skip
   fi;
 #ifndef MUT_E
   /* @code celery_lease/decide.py:_leave_to_copy "if mine is None or isinstance(holder, Failed):" */
   if
-  :: mine == UNKNOWN || ht == H_FAILED -> goto defer_out /* copy.unreadable: DEFER */
+  :: mine == UNKNOWN || ht == H_FAILED -> SPENT goto defer_out /* copy.unreadable: DEFER */
   :: else -> skip
   fi;
 #endif
   /* @code celery_lease/decide.py:decide_not_done "if newer is not None and s.token is not None and newer.token > s.token:" */
   if
-  :: nw > tok -> goto fail_ack /* not_done.newer: STORE_FAILURE */
+  :: nw > tok -> TO_END(E_NEWER) /* not_done.newer: STORE_FAILURE */
   :: else -> skip
   fi;
   if
   :: hl ->
      /* @code celery_lease/decide.py:_finished_elsewhere "if newer is not None and newer.task_id == holder.task_id:" */
      if
-     :: ht != 0 && nwt == ht -> goto defer_out /* not_done.holder_ended: REQUEUE */
+     :: ht != 0 && nwt == ht -> SPENT goto defer_out /* not_done.holder_ended: REQUEUE */
      :: else -> skip
      fi;
      atomic {
@@ -179,14 +229,14 @@ nd_decide:
        fi
      };
      if
-     :: hc == YES -> goto defer_out /* not_done.holder_ended */
+     :: hc == YES -> SPENT goto defer_out /* not_done.holder_ended */
      :: else -> skip
      fi;
      /* @code celery_lease/decide.py:_finished_elsewhere "return s.holder_state is not None and s.holder_state.lease_failure" */
      atomic { own = (ht != 0 -> be_st[ht - 1] : PENDING) };
      if
-     :: own == FAILURE -> goto defer_out /* not_done.holder_ended */
-     :: else -> goto fail_ack            /* not_done.taken_over: STORE_FAILURE */
+     :: own == FAILURE -> SPENT goto defer_out /* not_done.holder_ended */
+     :: else -> TO_END(E_TAKEN_OVER)    /* not_done.taken_over: STORE_FAILURE */
      fi
-  :: else -> goto defer_out              /* not_done.nobody: REQUEUE */
+  :: else -> SPENT goto defer_out              /* not_done.nobody: REQUEUE */
   fi

@@ -14,17 +14,18 @@
  *                      is the newest ever issued and its lease still held"
  *  once_double         once mode: at most one accepted row per key
  *  task_double         at most one accepted row per task id
+ *  ended_accept        no row of a task id with an end mark is accepted
  *  token_order         tokens strictly increase per key (invariant 1)
  *  two_grants          no two grants of a key valid at once in store time
  *                      (invariant 2)
  *  renew_after_release a renewal never extends a released or expired grant
  *                      (invariant 10)
  *  stale_copy_write    once the table has decided a task id (its accepted
- *                      row; once mode: the key's row of another task id), no
- *                      backend write that disagrees; before, no write by a
- *                      copy while another copy holds the key's valid, newer
- *                      grant (the execution that owns the task id then)
- *                      (invariant 8)
+ *                      row; once mode: the key's row of another task id;
+ *                      its end mark), no backend write that disagrees;
+ *                      before, no write by a copy while another copy holds
+ *                      the key's valid, newer grant (the execution that owns
+ *                      the task id then) (invariant 8)
  *  backend_flip        a final backend state is never changed
  *  accepted_outcome    settled: every task id with an accepted row is
  *                      SUCCESS with that row's value (invariant 7)
@@ -32,7 +33,7 @@
  *  unfinished_task     settled: every task id has a final state
  */
 
-bit viol_stale_accept, viol_stale_lease, viol_once_double, viol_task_double;
+bit viol_stale_accept, viol_stale_lease, viol_once_double, viol_task_double, viol_ended_accept;
 bit viol_token_order, viol_two_grants, viol_renew_after_release;
 bit viol_stale_copy_write, viol_backend_flip;
 bit viol_accepted_outcome, viol_lost_key, viol_unfinished_task, viol_stale_literal;
@@ -101,6 +102,7 @@ inline on_accept(k, t, T, w) {
 #endif
   CHECK(viol_once_double, !ONCE || acc_n[k] == 0);
   CHECK(viol_task_double, task_acc[T] == 0);
+  CHECK(viol_ended_accept, !ended[T]);
   task_acc[T] = t;
   acc_n[k]++;
   if
@@ -126,7 +128,8 @@ inline be_write(T, st, val, t) {
   CHECK(viol_stale_copy_write,
         (task_acc[T] != 0 && st == SUCCESS && val == task_acc[T])
         || (ONCE && task_acc[T] == 0 && acc_n[KEY(T)] > 0 && st == FAILURE)
-        || (task_acc[T] == 0 && !(ONCE && acc_n[KEY(T)] > 0)
+        || (ended[T] && task_acc[T] == 0 && st == FAILURE)
+        || (task_acc[T] == 0 && !(ONCE && acc_n[KEY(T)] > 0) && !ended[T]
             && !(g_newest_task[KEY(T)] == T + 1 && g_end[KEY(T)] == VALID && g_newest[KEY(T)] > t)));
 #endif
   CHECK(viol_backend_flip, be_st[T] == PENDING || (be_st[T] == st && be_val[T] == val));

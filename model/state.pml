@@ -34,12 +34,22 @@ bit once;
 
 /* Outcomes of a step, kept apart from tokens (1..MAX_TOKEN). */
 #define BUSY 0
-#define ENDED 250       /* PROPOSE_ENDED_AT_COMMIT: the task id had ended */
+#define ALREADY 246     /* the end mark: recorded before, by another copy */
+#define HOLDER_GONE 247 /* the end mark: the holder's lease is gone, or its task id ended */
+#define COPY_HOLDS 248  /* the end mark: another copy of the task id holds the key */
+#define MARKED 249      /* the end mark: the task id's end is recorded */
+#define ENDED 250       /* the commit: the task id has an end mark */
 #define STALE 251
 #define DUP 252
 #define ACCEPTED 253
 #define OK 254
 #define UNAVAIL 255
+
+/* Why a worker records its task id's end (the worker's nxt, on the way to
+ * the end mark). */
+#define E_NEWER 1       /* not_done.newer */
+#define E_TAKEN_OVER 2  /* not_done.taken_over */
+#define E_COMMIT 3      /* commit.ended */
 
 /* Answers that may be unreadable (mine, hc). */
 #define NO 0
@@ -68,6 +78,7 @@ byte acc_n[NK];         /* accepted rows of the key */
 byte acc_new[NK];       /* the newest accepted token of the key (results.accepted) */
 byte acc_new_task[NK];  /* its task id + 1 */
 byte task_acc[NT];      /* the token of the task id's accepted row (0: none) */
+bit ended[NT];          /* the task id's end mark (celery_lease_ended): no row of it is accepted any more */
 
 /* Result backend: state, and the token whose value a SUCCESS carries. */
 byte be_st[NT];
@@ -90,11 +101,6 @@ bit w_lapsed[NW];       /* its local view ran out (never after the store's expir
 bit w_lost[NW];         /* a renewal was refused */
 bit w_detached[NW];     /* past the body, or released: a refused renewal changes nothing */
 bit w_cur_at_lock[NW];  /* ghost: the grant was current when the commit locked */
-
-/* The SPARE_NOT_DONE_RACE bound: copies of each task id inside not_done,
- * and inside a commit (from its first step to its outcome). */
-byte nd_copies[NT];
-byte cm_copies[NT];
 
 /* Fault budgets spent. */
 byte crashes;

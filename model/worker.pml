@@ -31,18 +31,11 @@
 #define TAKE(t) :: qfirst[t] > 0 && FIRST_TAKE(t) -> qfirst[t]--; T = t; late = 0 \
                 :: qlate[t] > 0 -> qlate[t]--; T = t; late = 1
 
-/* Locals back to zero between executions: states differ only by what matters. */
-#ifdef SPARE_NOT_DONE_RACE
-#define ND_LEAVE if :: nd_in -> nd_copies[T]--; nd_in = 0 :: else -> skip fi; CM_LEAVE
-#define CM_LEAVE if :: cm_in -> cm_copies[T]--; cm_in = 0 :: else -> skip fi;
-#define CM_ENTER if :: !cm_in -> cm_copies[T]++; cm_in = 1 :: else -> skip fi;
-#define SPARE_GUARD nd_copies[T] == 0 ->
-#else
-#define ND_LEAVE
-#define CM_LEAVE
-#define CM_ENTER
-#define SPARE_GUARD
-#endif
+/* Locals back to zero once nothing can read them (SPENT: what the reads on
+ * the way told, once they led to an outcome: the release, a defer, a
+ * FAILURE, the ack, the end mark; RESET_LOCALS: between executions), so
+ * that states differ only by what matters. */
+#define SPENT r = 0; at = 0; own = 0; mine = 0; hc = 0; nw = 0; nwt = 0; ht = 0; hl = 0; late = 0; dup = 0;
 /* The execution ends: what only it could still tell apart goes (its claim
  * loop's owner id, a new one for every claim loop:
  * @code celery_lease/claiming.py:claim "owner_id = _new_owner_id()"
@@ -54,7 +47,7 @@
 #define FORGET_OWN if :: tok != 0 && rec_st[k] == TOMB && rec_tok[k] == tok -> unlive(k, GONE) \
   :: else -> skip fi;
 #endif
-#define RESET_LOCALS ND_LEAVE FORGET_OWN \
+#define RESET_LOCALS FORGET_OWN \
   if :: rec_owner[k] == w + 1 -> rec_owner[k] = 0 :: else -> skip fi; T = 0; k = 0; tok = 0; r = 0; txf = 0; at = 0; own = 0; mine = 0; \
   hc = 0; nw = 0; nwt = 0; ht = 0; nxt = 0; late = 0; dup = 0; hl = 0; \
   wtask[w] = 0; w_tok[w] = 0; w_lapsed[w] = 0; w_lost[w] = 0; w_cur_at_lock[w] = 0; \
@@ -71,8 +64,7 @@ inline crash_cleanup() {
 
 proctype worker(byte w) {
   byte T, k, tok, r, txf, at, own, mine, hc, nw, nwt, ht, nxt;
-  bit late, dup, hl, nd_in, cm_in;
-
+  bit late, dup, hl;
 
 end_idle:
   atomic {
@@ -108,7 +100,6 @@ claim:
   if
   CRASH
   :: atomic {
-       SPARE_GUARD
        /* @code celery_lease/claiming.py:_claim_once "return ex.rt.store.claim(ex.scoped, ttl=ex.opts.ttl, owner_id=owner_id, meta=ex.meta)" */
        if
        :: true -> st_claim(w, k, T, r)
@@ -131,7 +122,7 @@ claim:
        :: else -> printf("@ w%d claims k%d: granted token %d\n", w, k, r)
        fi;
        if
-       :: r == BUSY -> goto defer_out /* claim.same_id, claim.defer: after the holder */
+       :: r == BUSY -> SPENT goto defer_out /* claim.same_id, claim.defer: after the holder */
        :: r == UNAVAIL -> skip
        :: else -> tok = r; w_tok[w] = r; r = 0; goto granted
        fi
@@ -158,12 +149,12 @@ store_down:
      /* @code celery_lease/reads.py:Reads._backend_meta "meta: dict[str, Any] = backend.get_task_meta(task_id, cache=False)" */
      atomic { own = be_st[T] };
      if
-     :: own == SUCCESS -> goto ack /* claim.store_done: REJECT_ENDED */
+     :: own == SUCCESS -> SPENT goto ack /* claim.store_done: REJECT_ENDED */
      :: else -> skip
      fi
   :: else -> skip
   fi;
-  goto defer_out;
+  SPENT goto defer_out;
 
 granted:
 #ifndef COLOCATED
@@ -193,12 +184,12 @@ prepare:
      }
   fi;
   if
-  :: r == STALE -> nxt = N_DEFER; goto release /* lookup.stale */
+  :: r == STALE -> SPENT nxt = N_DEFER; goto release /* lookup.stale */
   :: r == UNAVAIL ->
      /* @code celery_lease/decide.py:decide_lookup "return Outcome(\"lookup.retry\", Act.RETRY)" */
      if
      :: !w_lapsed[w] -> goto prepare
-     :: nxt = N_DEFER; goto release /* lookup.store_down */
+     :: SPENT nxt = N_DEFER; goto release /* lookup.store_down */
      fi
   :: else -> skip
   fi;
@@ -210,22 +201,19 @@ prepare:
   :: else -> skip
   fi;
   /* @code celery_lease/reads.py:Reads._may_be_a_late_copy "return not _broker_marks_redeliveries(self.ex.app)" */
-#ifdef SPARE_LATE_ORIGINAL
-  late = 1; /* the bound: every copy reads its state, as on a transport that marks no redelivery */
-#endif
   if
   :: late ->
      /* @code celery_lease/decide.py:decide_start "if s.own_state is not None and s.own_state.lease_failure:" */
      atomic { own = be_st[T] };
      if
-     :: own == FAILURE -> nxt = N_ACK; goto release /* start.ended: REJECT_ENDED */
+     :: own == FAILURE -> SPENT nxt = N_ACK; goto release /* start.ended: REJECT_ENDED */
      :: else -> skip
      fi
   :: else -> skip
   fi;
   /* @code celery_lease/decide.py:decide_start "return Outcome(\"start.duplicate\", Act.DUPLICATE)" */
   if
-  :: dup -> nxt = N_FAIL; goto release /* start.duplicate -> duplicate.reject */
+  :: dup -> SPENT nxt = N_FAIL; goto release /* start.duplicate -> duplicate.reject */
   :: else -> skip
   fi;
 
@@ -239,7 +227,7 @@ prepare:
        :: !w_lapsed[w] && !w_lost[w] ->
           printf("@ w%d starts the body of T%d with token %d\n", w, T, tok);
           if :: tok > g_started[k] -> g_started[k] = tok :: else -> skip fi
-       :: else -> nxt = N_DEFER; goto release /* body.lapsed: REQUEUE */
+       :: else -> SPENT nxt = N_DEFER; goto release /* body.lapsed: REQUEUE */
        fi
      }
   fi;

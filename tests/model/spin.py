@@ -27,13 +27,6 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "model"
 CONFIGS = ("redis", "etcd", "colocated")
 
-#: The known defects of the protocol the model found that are not fixed yet
-#: (docs/model.md, "What the model found"), each excluded from the default
-#: check by a bound of its own; tests/model/test_model.py shows each
-#: counterexample without it. (Fixed: SPARE_NOT_DONE_READS, SPARE_ETCD_LAG;
-#: their old code is mutation e and f.)
-SPARES = ("SPARE_NOT_DONE_RACE", "SPARE_LATE_ORIGINAL")
-
 #: pan refuses to grow past this (MB) instead of taking the machine's memory
 #: (the checks share it with timing-sensitive runs).
 MEMLIM_MB = 2048
@@ -170,7 +163,7 @@ def _children_cpu() -> float:
 
 def main(argv: list[str]) -> int:
     config, defines = argv[0], [a.removeprefix("-D") for a in argv[1:]]
-    result = check(config, defines or SPARES)
+    result = check(config, defines)
     print(result.output)
     print("\n".join(result.trail))
     print(result.figures())
