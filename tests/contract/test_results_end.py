@@ -174,3 +174,25 @@ def test_the_end_waits_for_a_commit_that_holds_the_key(pairing: Pairing) -> None
     worker.join(20)
     assert answer == [EndMark(ACCEPTED)]
     assert not ended(p, t0)
+
+
+def test_a_run_out_unreleased_copy_of_the_task_id_still_holds_it_with_leases_in_the_database(
+    pairing: Pairing,
+) -> None:
+    """docs/model.md, finding 5: with the leases in the result database the
+    commit is one statement that judges its lease by the clock of its start,
+    before it waits for the lease row; a copy whose lease ran out while that
+    statement waited would still be accepted. So, there, a lease row that
+    names another grant of the task id and was not released keeps the mark
+    off, live or not. Elsewhere the commit checks the store after its lock:
+    a run-out lease is no holder."""
+    p, key, t0 = pairing, new_key("end"), new_key("T0")
+    a = lapsed(p, key, "A", t0)
+    lapsed(p, key, "C", t0)  # T0's other copy: its lease ran out, unreleased
+    mark = p.table.end(a, t0, take_over=False)
+    if p.table.colocated:
+        assert mark == EndMark(COPY_HOLDS, 0.0)
+        assert not ended(p, t0)
+    else:
+        assert mark == EndMark(MARKED)
+        assert ended(p, t0)
