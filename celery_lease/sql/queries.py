@@ -397,7 +397,9 @@ def _pg_commit_colocated(*, release: bool, once: bool, one_key: bool, meta: bool
     owner's), ``duplicate`` (once mode: the key's accepted token) and
     ``accepted_at`` (None: nothing written). The duplicate look-up reads the
     statement's snapshot: only the lease's owner commits, and every earlier
-    owner's commit preceded this owner's claim.
+    owner's commit preceded this owner's claim. So does the end-mark guard: a
+    mark made while this statement waits for the lease row is refused while
+    that row names this grant unreleased (``result_end._mark``).
 
     One text per (release, once, one key) with nothing left for the planner to
     fold, so that PostgreSQL settles on a generic plan after its first five
