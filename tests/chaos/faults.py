@@ -107,11 +107,15 @@ class Injector(ServerFaults):
         self.heal()
 
     def _inject_one(self) -> None:
-        launched = Counter({k: self.counts[k] + self.failed[k] for k in self.kinds})
+        # The kind applied least often goes first; an attempt that failed to
+        # apply (a worker between restarts has no pool child to kill) does not
+        # count as applied, so that kind is tried again soon: a short run must
+        # apply every kind, not merely try it.
+        launched = Counter({k: self.counts[k] for k in self.kinds})
         for k in self._inflight_kinds():
             if k in launched:
                 launched[k] += 1
-        order = sorted(self.kinds, key=lambda k: (launched[k], self.rng.random()))
+        order = sorted(self.kinds, key=lambda k: (launched[k], self.failed[k], self.rng.random()))
         for kind in order:
             target = self._target(kind)
             if target is None:
