@@ -163,9 +163,9 @@ def test_a_task_id_celery_lease_failed_never_turns_successful(held_back: Cell) -
     A pauses past its TTL (an evict stands for it) and T1 takes the key; A's
     commit is refused, ``not_done`` finds T1 holding the key and stores T0
     FAILURE. T0's other copy, a first delivery the broker held back, runs
-    later: it skips the backend read, runs, and its commit was accepted, so
-    SUCCESS overwrote the FAILURE a client may already have read. Now A
-    records T0's end before its FAILURE, and the commit refuses it."""
+    later: it skips the backend read and runs; were its commit accepted,
+    SUCCESS would overwrite the FAILURE a client may already have read. A
+    records T0's end before its FAILURE, so the commit refuses it."""
     cell = held_back
     t0, t1 = str(uuid.uuid4()), str(uuid.uuid4())
     key = new_key("nd-flip")
