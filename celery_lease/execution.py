@@ -439,20 +439,25 @@ class Execution:
     # -- helpers ---------------------------------------------------------------------
 
     def release(self) -> None:
+        """Give the lease up; the task goes on without waiting for the store's
+        answer (HeldLease.release_later): nothing here needs it, and a failure
+        is logged when it comes (the lease then expires at its TTL)."""
         held = self.held
         if held is None or held.released:
             return
-        try:
-            held.release()
-        except StoreUnavailable as e:
+        key, token, task_id = self.key, held.token, self.task_id
+
+        def failed(e: LeaseError) -> None:  # holds no reference to this execution
             logger.warning(
                 "could not release (it will expire): key=%s token=%s task=%s reason=%s",
-                self.key,
-                held.token,
-                self.task_id,
+                key,
+                token,
+                task_id,
                 e,
-                extra={"action": "release_failed", "lease_key": self.key, "token": held.token},
+                extra={"action": "release_failed", "lease_key": key, "token": token},
             )
+
+        held.release_later(failed)
 
     def _on_lost(self, held: HeldLease, reason: str) -> None:
         # Runs in the renewal thread: self.req is not this thread's request, so

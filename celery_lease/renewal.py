@@ -295,14 +295,23 @@ class HeldLease:
 
     def release(self) -> bool:
         """Stop renewing and release. True if it was still the owner."""
+        if not self._releasing():
+            return False
+        return self.store.release(self.lease)
+
+    def release_later(self, failed: Callable[[LeaseError], None]) -> None:
+        """Stop renewing and release, not waiting for the store's answer
+        (:meth:`LeaseStore.release_later`); ``failed`` hears of a failure."""
+        if self._releasing():
+            self.store.release_later(self.lease, failed)
+
+    def _releasing(self) -> bool:
         self.detach()
         with self._lock:
             if self.released:
                 return False
             self.released = True
-        if self.lost_reason is not None:
-            return False
-        return self.store.release(self.lease)
+        return self.lost_reason is None
 
     def __repr__(self) -> str:
         state = (

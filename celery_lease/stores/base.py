@@ -41,12 +41,12 @@ import secrets
 import socket
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from celery_lease.exceptions import LeaseConfigError, LeaseNotAcquired
+from celery_lease.exceptions import LeaseConfigError, LeaseError, LeaseNotAcquired
 from celery_lease.keys import has_unstorable, shorten
 from celery_lease.renewal import HeldLease, check_schedule, renewer
 from celery_lease.stores.registry import ENTRY_POINT_GROUP, known_schemes, store_class
@@ -314,6 +314,15 @@ class LeaseStore(ABC):
     def release(self, lease: Lease) -> bool:
         """Give ``lease`` up. True if it was still the owner; a stranger's release is a no-op."""
         return self.do_release(lease)
+
+    def release_later(self, lease: Lease, failed: Callable[[LeaseError], None]) -> None:
+        """Give ``lease`` up without waiting for the store's answer where the store
+        can (the key is free as promptly as with :meth:`release`); ``failed`` is
+        called, then or later, if the release did not happen."""
+        try:
+            self.release(lease)
+        except LeaseError as e:
+            failed(e)
 
     def inspect(self, key: str) -> LeaseRecord | None:
         """The record for ``key`` (live, expired-but-kept, or fenced-but-free), or None."""

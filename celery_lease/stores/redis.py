@@ -293,6 +293,19 @@ class RedisLeaseStore(LeaseStore):
             raise self._translate(e) from e
         return int(n) == len(keys)
 
+    def release_later(self, lease: Lease, failed: Callable[[LeaseError], None]) -> None:
+        if self.transport.direct:
+            names = [self.lease_name(k) for k in lease.keys]
+
+            def answer(_reply: Any, error: RedisError | None) -> None:
+                if error is not None:
+                    failed(self._translate(error))
+
+            args = [lease.owner_id, str(lease.token)]
+            self.transport.send_later(self._release, names, args, answer)
+        else:
+            super().release_later(lease, failed)
+
     def do_inspect(self, key: str) -> LeaseRecord | None:
         try:
             reply = self._run(self._inspect, [self.lease_name(key), self.fence_name(key)], [])

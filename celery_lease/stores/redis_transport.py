@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import builtins
 import inspect
+import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -49,6 +51,10 @@ REDIS_PY_CHECKED = ">=5.0,<9"
 #: concurrent calls, go back to the client's pool.
 KEEP_IDLE = 4
 
+#: What :meth:`ScriptTransport.send_later` calls with the reply, once read:
+#: ``(reply, None)``, or ``(None, error)`` for an error reply or a failed resend.
+Answer = Callable[[Any, "RedisError | None"], None]
+
 
 class ScriptTransport:
     """Runs scripts and raw commands for one ``redis.Redis`` client; redis-py errors pass.
@@ -62,6 +68,8 @@ class ScriptTransport:
         pool = client.connection_pool
         self.direct = getattr(pool, "cache", None) is None
         self._idle: builtins.list[Any] = []  # redis-py Connections
+        #: kept connections whose last command's reply is still unread (send_later)
+        self._late: dict[Any, _Late] = {}
         self._pid = os.getpid()
         # redis-py < 5.3 requires a command name; later versions deprecate it.
         param = inspect.signature(pool.get_connection).parameters.get("command_name")
@@ -121,39 +129,171 @@ class ScriptTransport:
 
         With ``then``, that command is written in the same packet and the
         answer is the pair of replies.
+
+        A reply :meth:`send_later` left unread on the connection is read after
+        ``command`` is sent, while its reply is on the way, so reading it costs
+        the caller no wait of its own.
         """
-        if self._pid != os.getpid():  # forked: the parent's sockets are not ours
-            self._idle = []
-            self._pid = os.getpid()
-        try:
-            conn = self._idle.pop()
-        except IndexError:
-            conn = self.client.connection_pool.get_connection(*self._checkout_args)
+        conn, late = self._checkout()
+        tries = 0
 
         def attempt() -> Any:
+            nonlocal tries
+            tries += 1
+            if tries > 1 and late is not None and not late.answered:
+                late.resend(conn)  # the connection failed before the late reply was read
             try:
-                return _roundtrip(conn, command, script, then)
+                return _roundtrip(conn, command, script, then, late)
             except RedisConnectionError:  # closed while idle: once more, reconnected
                 # connect() explicitly: a Sentinel connection asks the sentinels for
                 # the master there, while the reconnect inside a send (redis-py 8)
                 # goes back to the address it had, the dead master's after a failover.
                 conn.connect()
-                return _roundtrip(conn, command, script, then)
+                if late is not None and not late.answered:
+                    late.resend(conn)
+                return _roundtrip(conn, command, script, then, None)
 
         try:
             return conn.retry.call_with_retry(attempt, lambda _error: conn.disconnect())
+        except RedisError as e:
+            if late is not None and not late.answered:
+                late.hand_over(None, e)  # its connection failed, and every resend
+            raise
         finally:
-            if len(self._idle) < KEEP_IDLE:
-                self._idle.append(conn)
-            else:  # a burst of concurrent calls is over: give the pool its connection back
-                self.client.connection_pool.release(conn)
+            self._checkin(conn)
+
+    def send_later(
+        self, script: Script, keys: builtins.list[str], args: builtins.list[Any], answer: Answer
+    ) -> None:
+        """Send ``script`` and go on without waiting for its reply: the server runs
+        it as promptly as :meth:`run` would, and the reply is read, and handed
+        to ``answer``, when the connection is next used (by any call of this
+        transport, or :meth:`close`).
+
+        Sent as EVAL with the script's text, so that no NOSCRIPT reply (a
+        restarted server) can leave the command undone until that later read.
+        A connection that fails before the reply is read is reconnected and the
+        command sent again, synchronously: only idempotent commands (a release)
+        may be sent this way.
+        """
+        command = (b"EVAL", script.script, len(keys), *keys, *args)
+        if not self.direct:
+            _Late(command, answer).resend_on(self)
+            return
+        conn, late = self._checkout()
+        if late is not None:  # two in a row on one connection: the first one's reply now
+            late.settle(self, conn)
+        try:
+            conn.send_packed_command(conn.pack_command(*command))
+        except RedisError:  # not sent, or not whole: send it again, waiting for the reply
+            conn.disconnect()
+            self._checkin(conn)
+            _Late(command, answer).resend_on(self)
+            return
+        except BaseException:
+            conn.disconnect()
+            self._checkin(conn)
+            raise
+        if len(self._idle) >= KEEP_IDLE:  # cannot keep it: read the reply now
+            _Late(command, answer).settle(self, conn)
+            self._checkin(conn)
+            return
+        self._late[conn] = _Late(command, answer)
+        self._idle.append(conn)
+
+    @property
+    def unread(self) -> int:
+        """How many replies :meth:`send_later` left unread on kept connections."""
+        return len(self._late)
 
     def close(self) -> None:
-        """Give the kept connections back to the pool (a forked child's are not its own)."""
-        idle, self._idle = self._idle, []
-        if self._pid == os.getpid():
-            for conn in idle:
-                self.client.connection_pool.release(conn)
+        """Read the replies still unread, then give the kept connections back to
+        the pool (a forked child's are not its own)."""
+        if self._pid != os.getpid():
+            self._idle, self._late = [], {}
+            return
+        while self._idle:
+            conn, late = self._checkout()
+            if late is not None:
+                late.settle(self, conn)
+            self.client.connection_pool.release(conn)
+
+    def _checkout(self) -> tuple[Any, _Late | None]:
+        """A kept connection and the reply left unread on it, or one from the pool."""
+        if self._pid != os.getpid():  # forked: the parent's sockets are not ours
+            self._idle, self._late = [], {}
+            self._pid = os.getpid()
+        try:
+            conn = self._idle.pop()
+        except IndexError:
+            return self.client.connection_pool.get_connection(*self._checkout_args), None
+        return conn, self._late.pop(conn, None)
+
+    def _checkin(self, conn: Any) -> None:
+        if len(self._idle) < KEEP_IDLE:
+            self._idle.append(conn)
+        else:  # a burst of concurrent calls is over: give the pool its connection back
+            self.client.connection_pool.release(conn)
+
+
+class _Late:
+    """A command :meth:`ScriptTransport.send_later` sent, whose reply is not read yet."""
+
+    __slots__ = ("answer", "answered", "command")
+
+    def __init__(self, command: tuple[Any, ...], answer: Answer) -> None:
+        self.command = command
+        self.answer = answer
+        self.answered = False
+
+    def read(self, conn: Any) -> None:
+        """Read the reply off ``conn`` (the next one there) and hand it over; a
+        connection error passes (the caller sends the command again)."""
+        try:
+            reply = conn.read_response()
+        except ResponseError as e:  # the server's error reply: the command did not run
+            self.hand_over(None, e)
+            return
+        self.hand_over(reply, None)
+
+    def settle(self, transport: ScriptTransport, conn: Any) -> None:
+        """Read the reply now; if the connection fails first, send the command again."""
+        try:
+            self.read(conn)
+        except RedisError:  # lost with the connection: it may not have run
+            conn.disconnect()
+            self.resend_on(transport)
+        except BaseException:
+            conn.disconnect()
+            raise
+
+    def resend(self, conn: Any) -> None:
+        """Send the command again on ``conn``, once, and read its reply; if that
+        fails too, the answer is the error (the caller's own command goes on)."""
+        try:
+            reply = _roundtrip(conn, self.command, None, None, None)
+        except RedisError as e:  # _roundtrip left a failed connection disconnected
+            self.hand_over(None, e)
+        else:
+            self.hand_over(reply, None)
+
+    def resend_on(self, transport: ScriptTransport) -> None:
+        """Send the command again on any connection of ``transport``."""
+        try:
+            reply = transport.execute(self.command)
+        except RedisError as e:
+            self.hand_over(None, e)
+        else:
+            self.hand_over(reply, None)
+
+    def hand_over(self, reply: Any, error: RedisError | None) -> None:
+        self.answered = True
+        # The answer comes inside another caller's call (the next claim, a
+        # renewal): its own failure is logged, never raised into that call.
+        try:
+            self.answer(reply, error)
+        except Exception:
+            logging.getLogger(__name__).exception("the handler of a late reply failed")
 
 
 #: The reply code of the redis-py classes that strip it from the message
@@ -192,10 +332,14 @@ def server_reply(e: RedisError) -> tuple[str | None, str]:
 
 
 def _roundtrip(
-    conn: Any, command: tuple[Any, ...], script: Script | None, then: tuple[Any, ...] | None
+    conn: Any,
+    command: tuple[Any, ...],
+    script: Script | None,
+    then: tuple[Any, ...] | None,
+    late: _Late | None,
 ) -> Any:
     """Send ``command`` (and ``then``) on ``conn`` and read the reply (EVAL if the
-    server lacks ``script``).
+    server lacks ``script``); ``late``'s reply, which comes first, is read in between.
 
     Anything but a server's error reply leaves the connection disconnected, so a
     reply can never be left unread for the next command on it (redis-py's own
@@ -205,12 +349,12 @@ def _roundtrip(
     replied = False  # every reply (or error reply) read: the connection stays usable
     try:
         try:
-            reply = _send(conn, command, then)
+            reply = _send(conn, command, then, late)
         except NoScriptError:
             if script is None:
                 replied = True
                 raise
-            reply = _send(conn, (b"EVAL", script.script, *command[2:]), then)
+            reply = _send(conn, (b"EVAL", script.script, *command[2:]), then, None)
         replied = True
         return reply
     except ResponseError:
@@ -221,11 +365,17 @@ def _roundtrip(
             conn.disconnect()
 
 
-def _send(conn: Any, command: tuple[Any, ...], then: tuple[Any, ...] | None) -> Any:
+def _send(
+    conn: Any, command: tuple[Any, ...], then: tuple[Any, ...] | None, late: _Late | None
+) -> Any:
     if then is None:
         conn.send_packed_command(conn.pack_command(*command))
+        if late is not None:
+            late.read(conn)
         return conn.read_response()
     conn.send_packed_command(conn.pack_commands([command, then]))
+    if late is not None:
+        late.read(conn)
     try:
         first = conn.read_response()
     except ResponseError:

@@ -35,6 +35,10 @@ per operation (``direct`` is a store on the same server, not behind the proxy):
   expiry as the store holds it.
 - **release** (one key, several keys): True, every key free; the owner's
   renewal and a stranger's release then answer False.
+- **release_later** (the release a task sends without waiting for the reply;
+  Redis reads the reply at the store's next call): every key free, and the
+  next call answers as if nothing happened; the release's handler hears of a
+  failure only when every resend lost its reply too (``every``).
 - **inspect**, **fence_token**: what a direct read answers.
 - **evict with a token**: the lease of that token is gone (the key not live,
   its fence past the token) and nothing else changes: the repeated evict
@@ -99,6 +103,8 @@ MATCH: dict[str, dict[str, bytes]] = {
         "renew_many": _sha(redis_store.RENEW),
         "release": _sha(redis_store.RELEASE),
         "release_many": _sha(redis_store.RELEASE),
+        # release_later sends the script's text (EVAL), not its SHA
+        "release_later": b"if not h[3] then redis.call('HSET', KEYS[i], 'released', '1')",
         "inspect": _sha(redis_store.INSPECT),
         "evict": _sha(redis_store.EVICT),
         "fence_token": b"\r\nGET\r\n",
@@ -110,6 +116,7 @@ MATCH: dict[str, dict[str, bytes]] = {
         "renew_many": b"whole AS",
         "release": b"OR renewed_at = expires_at",
         "release_many": b"OR renewed_at = expires_at",
+        "release_later": b"OR renewed_at = expires_at",
         "inspect": b"LEFT JOIN celery_lease_leases",
         "evict": b"COMMIT",
         "fence_token": b"both_tokens",
@@ -310,6 +317,39 @@ class TestLostReplies:
         assert wire.store.renew(lease) is False
         stranger = Lease(lease.key, lease.keys, B, lease.token, 0.0, 0.0, 30.0)
         assert wire.store.release(stranger) is False
+
+    @pytest.mark.parametrize("width", [1, 2], ids=["release_later", "release_later_many"])
+    def test_release_later(self, wire: Wire, drops: str, width: int) -> None:
+        keys = [new_key("rel-later") for _ in range(width)]
+        lease = wire.direct.claim(keys, owner_id=A, ttl=30)
+        assert lease is not None
+        failures: list[BaseException] = []
+
+        match = MATCH[wire.kind]["release_later"]
+        if drops == "one":
+            wire.proxy.drop_next_reply(match)
+        else:
+            wire.proxy.drop_replies(match)
+        try:
+            wire.store.release_later(lease, failures.append)
+            # Redis reads the release's reply here, at the store's next call: the
+            # call must answer, whatever became of the release's reply.
+            after = wire.store.inspect(keys[0])
+        finally:
+            wire.proxy.stop_dropping()
+        lost: Dropped = wire.proxy.wait_dropped(0)  # the fault happened:
+        assert match in lost.request  # the release's reply was lost...
+        assert all(_server_succeeded(wire.kind, d.reply) for d in wire.proxy.dropped)
+        for k in keys:  # ...after the server applied it
+            record = wire.direct.inspect(k)
+            assert record is not None and not record.live, record
+        assert after is not None and not after.live, after
+        if drops == "one":
+            assert failures == [], "sent again, the release found its own work done"
+        else:
+            assert len(failures) == 1 and isinstance(failures[0], StoreUnavailable), failures
+        claimed = wire.store.claim(keys, owner_id=B, ttl=30)
+        assert claimed is not None and claimed.token > lease.token
 
     def test_inspect(self, wire: Wire, drops: str) -> None:
         key = new_key("insp")

@@ -130,10 +130,64 @@ def test_a_kept_connection_the_server_closed_is_replaced(
     assert record is not None and record.owner_id == lease.owner_id
 
 
+def test_a_late_release_frees_the_key_before_its_reply_is_read(
+    store: RedisLeaseStore, server: RedisServer
+) -> None:
+    """release_later: the key is free as promptly as with release (another
+    client's claim, sent after it returned, is granted at once), its reply is
+    read at the store's next call."""
+    other = RedisLeaseStore(server.url())
+    failures: list[BaseException] = []
+    try:
+        for i in range(50):
+            lease = store.claim(f"k{i}", owner_id="a", ttl=30)
+            assert lease is not None
+            store.release_later(lease, failures.append)
+            assert store.transport.unread == 1  # not waited for
+            taken = other.claim(f"k{i}", owner_id="b", ttl=30)
+            assert taken is not None and taken.token > lease.token, i
+        assert store.time() > 0  # the next call reads the reply
+        assert store.transport.unread == 0
+        assert failures == []
+    finally:
+        other.close()
+
+
+def test_an_error_reply_to_a_late_release_reaches_its_handler_at_the_next_call(
+    store: RedisLeaseStore, admin: redis.Redis
+) -> None:
+    lease = store.claim("k", owner_id="a", ttl=30)
+    assert lease is not None
+    admin.delete(store.lease_name("k"))
+    admin.set(store.lease_name("k"), "not a hash")  # the release's HMGET: WRONGTYPE
+    failures: list[BaseException] = []
+    store.release_later(lease, failures.append)
+    assert failures == []  # not read yet
+    assert store.claim("other", owner_id="a", ttl=30) is not None  # the next call answers
+    assert len(failures) == 1 and "WRONGTYPE" in str(failures[0]), failures
+    assert store.transport.unread == 0
+
+
+def test_close_reads_the_late_replies(store: RedisLeaseStore, admin: redis.Redis) -> None:
+    lease = store.claim("k", owner_id="a", ttl=30)
+    assert lease is not None
+    failures: list[BaseException] = []
+    store.release_later(lease, failures.append)
+    store.close()
+    assert store.transport.unread == 0 and failures == []
+    assert admin.hget(store.lease_name("k"), "released") == b"1"
+
+
 def test_a_forked_child_does_not_use_the_parents_kept_connection(
     store: RedisLeaseStore,
 ) -> None:
+    lease = store.claim("k", owner_id="a", ttl=30)
+    assert lease is not None
+    failures: list[BaseException] = []
+    store.release_later(lease, failures.append)  # a reply left unread on the parent's connection
+    assert store.transport.unread == 1
     parent_id = store.transport.execute((b"CLIENT", b"ID"))
+    store.release_later(lease, failures.append)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report the connection it used, never run pytest's teardown
@@ -151,6 +205,7 @@ def test_a_forked_child_does_not_use_the_parents_kept_connection(
     assert child_id not in (-1, parent_id)
     # The parent's kept connection is intact: nothing of the child's reply was left on it.
     assert store.transport.execute((b"CLIENT", b"ID")) == parent_id
+    assert store.transport.unread == 0 and failures == []  # the parent read its late reply
 
 
 def test_with_a_client_side_cache_scripts_go_through_redis_py(
