@@ -1,22 +1,21 @@
 """One execution of a leased task in the worker: the executor of ``celery_lease.decide``.
 
-The decisions are :mod:`celery_lease.decide`'s (its docstring holds the
-table). This module gathers their facts, with each read done when a decision
-asks for it (:meth:`Execution.decide`), and carries their outcomes out: the
-backend write, the event, the re-publish, ``Ignore``. Outcomes that are not
-plain SUCCESS/FAILURE record the result-backend state themselves (so
-``AsyncResult.get()`` returns or raises), send the custom event last (so
-Flower shows the custom state), and ``raise Ignore``. A copy of a task id
-whose own execution owns the result never writes the backend.
+The decisions are :mod:`celery_lease.decide`'s (its docstring holds the table). This
+module gathers their facts, with each read done when a decision asks for it
+(:meth:`Execution.decide`), and carries their outcomes out: the backend write, the event,
+the re-publish, ``Ignore``. Outcomes that are not plain SUCCESS/FAILURE record the
+result-backend state themselves (so ``AsyncResult.get()`` returns or raises), send the
+custom event last (so Flower shows the custom state), and ``raise Ignore``. A copy of a
+task id whose own execution owns the result never writes the backend.
 
 Once it holds its lease, the execution puts a ``LeaseWriter`` (its token) on
 its request, which a ``lease+`` result backend fences every write of the
 request by (other backends ignore it); see :mod:`celery_lease.backend`.
 
-With ``acks_late``, a message that ends in a final state is acked and gone;
-so whenever the work was *not* done and nobody newer is doing it (the lease
-lapsed with no one taking over, the store was down at the commit), the task is
-re-published under its own id instead of failing: no lost work.
+With ``acks_late``, a message that ends in a final state is acked and gone; so whenever
+the work was *not* done and nobody newer is doing it (the lease lapsed with no one taking
+over, the store was down at the commit), the task is re-published under its own id
+instead of failing: no lost work.
 """
 
 from __future__ import annotations
@@ -72,9 +71,8 @@ _F = TypeVar("_F")
 
 
 def _with(facts: _F, changes: dict[str, Any]) -> _F:
-    """``dataclasses.replace(facts, **changes)`` for decide's facts classes
-    (frozen dataclasses whose every field is an ``__init__`` argument) without
-    replace()'s loop over the fields in Python: most executions ask for a read."""
+    """``dataclasses.replace(facts, **changes)`` for decide's frozen facts classes,
+    without replace()'s Python loop over the fields (most executions ask for a read)."""
     fields = getattr(facts, "__dict__", None)
     if fields is None:  # a class with __slots__
         return replace(facts, **changes)  # type: ignore[type-var]
@@ -210,12 +208,10 @@ class Execution:
                 return answer
             facts = _with(facts, self.reads.read(answer, facts))
 
-    # -- claiming ------------------------------------------------------------------
+    # -- claiming, and before the body ----------------------------------------------
 
     def claim(self) -> HeldLease:
         return claim(self)
-
-    # -- before the body -----------------------------------------------------------
 
     def prepare(self, held: HeldLease) -> None:
         deadline = held.valid_until
@@ -439,9 +435,8 @@ class Execution:
     # -- helpers ---------------------------------------------------------------------
 
     def release(self) -> None:
-        """Give the lease up; the task goes on without waiting for the store's
-        answer (HeldLease.release_later): nothing here needs it, and a failure
-        is logged when it comes (the lease then expires at its TTL)."""
+        """Give the lease up without waiting for the store's answer (nothing here needs
+        it); a failure is logged when it comes, and the lease expires at its TTL."""
         held = self.held
         if held is None or held.released:
             return

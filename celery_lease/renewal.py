@@ -286,32 +286,27 @@ class HeldLease:
         with self._lock:
             self.silenced = True
             self.detached = True
-            # Silenced for good, so the callbacks can never run: drop them. A
-            # callback bound to its owner (a task's Execution, which holds this
-            # lease) is a reference cycle that only the cycle collector frees;
-            # in a long-running worker, cycles that reach its oldest generation
-            # wait for a full collection and the heap grows in between.
+            # Silenced for good, so the callbacks can never run: drop them. A callback
+            # bound to its owner (a task's Execution, which holds this lease) is a
+            # reference cycle only the cycle collector frees; in a long-running worker,
+            # cycles that reach its oldest generation wait for a full collection.
             self._on_lost.clear()
 
     def release(self) -> bool:
         """Stop renewing and release. True if it was still the owner."""
-        if not self._releasing():
-            return False
-        return self.store.release(self.lease)
+        return self._releasing() and self.store.release(self.lease)
 
     def release_later(self, failed: Callable[[LeaseError], None]) -> None:
-        """Stop renewing and release, not waiting for the store's answer
-        (:meth:`LeaseStore.release_later`); ``failed`` hears of a failure."""
+        """:meth:`release` by :meth:`LeaseStore.release_later`: no waiting for the answer."""
         if self._releasing():
             self.store.release_later(self.lease, failed)
 
     def _releasing(self) -> bool:
+        """Stop renewing; True the first time, unless the lease was lost."""
         self.detach()
         with self._lock:
-            if self.released:
-                return False
-            self.released = True
-        return self.lost_reason is None
+            first, self.released = not self.released, True
+        return first and self.lost_reason is None
 
     def __repr__(self) -> str:
         state = (

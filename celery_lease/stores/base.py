@@ -230,13 +230,8 @@ class LeaseStore(ABC):
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> LeaseStore:
-        """The store for ``url``, chosen by scheme.
-
-        ``redis://``, ``rediss://``, ``unix://`` -> Redis; ``postgresql+psycopg://``
-        (``postgresql://``, ``postgres://``) and ``sqlite:///`` -> SQL; ``etcd://``,
-        ``etcds://`` -> etcd. Other schemes are looked up in the
-        ``celery_lease.stores`` entry-point group (:mod:`celery_lease.stores.registry`).
-        """
+        """The store for ``url``, chosen by scheme: Redis, SQL, etcd, then the
+        ``celery_lease.stores`` entry points (:mod:`celery_lease.stores.registry`)."""
         store: LeaseStore = _store_class(url)(url, **options)  # type: ignore[call-arg]
         return store
 
@@ -316,9 +311,8 @@ class LeaseStore(ABC):
         return self.do_release(lease)
 
     def release_later(self, lease: Lease, failed: Callable[[LeaseError], None]) -> None:
-        """Give ``lease`` up without waiting for the store's answer where the store
-        can (the key is free as promptly as with :meth:`release`); ``failed`` is
-        called, then or later, if the release did not happen."""
+        """:meth:`release`, not waiting for the answer where the store can (the key is
+        freed as promptly); ``failed`` is called, now or later, if it failed."""
         try:
             self.release(lease)
         except LeaseError as e:
@@ -411,16 +405,13 @@ class LeaseStore(ABC):
     # -- internal markers ---------------------------------------------------
 
     def mark(self, name: str, owner_id: str, *, ttl: float, replace: Sequence[str] = ()) -> bool:
-        """Set the internal marker ``name`` to ``owner_id`` for ``ttl`` seconds, unless
-        another owner's live marker is there (then False); a live marker of
-        an owner in ``replace`` is replaced, atomically with the check, so
-        that of two callers replacing the same marker one wins.
+        """Set the internal marker ``name`` to ``owner_id`` for ``ttl`` seconds unless
+        another owner's live marker is there (then False); a live marker of an owner
+        in ``replace`` is replaced atomically with the check (of two such callers, one wins).
 
-        Markers (deferral markers: ``celery-lease/...``, a namespace no user key
-        reaches) are not leases: no token. A store that keeps them apart from
-        leases gives them no fence either; this default keeps them as leases,
-        whose records ``lease sweep`` removes (SQL).
-        """
+        Markers (deferral markers, ``celery-lease/...``, a namespace no user key reaches)
+        are not leases: no token, and no fence where a store keeps them apart; this
+        default keeps them as leases, whose records ``lease sweep`` removes (SQL)."""
         if self.claim(name, ttl=ttl, owner_id=owner_id) is not None:
             return True
         record = self.inspect(name) if replace else None
