@@ -10,9 +10,9 @@ release:
   if
   CRASH
   :: atomic {
-       /* @code celery_lease/renewal.py:HeldLease.release "self.detach()" */
+       /* @code celery_lease/renewal.py:HeldLease._releasing "self.detach()" */
        w_detached[w] = 1;
-       /* @code celery_lease/execution.py:Execution.release "held.release()" */
+       /* @code celery_lease/execution.py:Execution.release "held.release_later(failed)" */
        if
        :: true -> st_release(k, tok, r)
        :: LOSSY; r = UNAVAIL
