@@ -123,14 +123,12 @@ class Execution:
 
     def run(self) -> Any:
         authorize(self.task, self.tenant, self.keys, self.args, self.kwargs)
-        held = self.claim()
-        self.held = held
+        held = self.held = self.claim()
         setattr(self.req, WRITER_ATTR, LeaseWriter(held.token))  # kept for the tracer's writes
         finished = False
         try:
-            # Renewed from the grant on: the look-up and the STARTED write below
-            # can take longer than the TTL on a loaded worker (many threads
-            # waiting on SQLite's one writer), and the lease must not lapse meanwhile.
+            # Renewed from the grant on: the look-up and the STARTED write below can
+            # outlast the TTL on a loaded worker (threads queued on SQLite's writer).
             held.add_lost_callback(self._on_lost)
             renewer().add(held)
             if self.opts.commit:

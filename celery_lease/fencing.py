@@ -73,23 +73,7 @@ def guard(
     the store cannot answer (the caller's transaction then rolls back). Needs
     the celery-lease tables in that database (``celery_lease.migrate(url)``).
     """
-    held: HeldLease | None = None
-    lease: Lease | None = None
-    if isinstance(token, LocalLease):
-        token = token.token  # a direct call's: the bare token 0 (celery_lease/local.py)
-    if isinstance(token, HeldLease):
-        held, lease = token, token.lease
-        store = store or token.store
-    elif isinstance(token, Lease):
-        lease = token
-        if store is None:
-            raise LeaseConfigError(
-                "fencing.guard needs the lease store to check a Lease: pass store=, "
-                "or the HeldLease (self.lease in a task, the lease of store.hold())"
-            )
-    elif store is not None:
-        raise LeaseConfigError("fencing.guard: store= is for checking a Lease, not a bare token")
-    value = lease.token if lease is not None else token
+    held, lease, store, value = _what_to_check(token, store)
     if not isinstance(resource, str) or not resource:
         raise LeaseConfigError(f"a fenced resource is a non-empty string, got {resource!r}")
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -107,6 +91,26 @@ def guard(
         # owner's guarded write waits for it, so what the store says here
         # stays true for every write of this transaction relative to theirs.
         _still_granted(resource, lease, store, held)
+
+
+def _what_to_check(
+    token: int | HeldLease | Lease | LocalLease, store: LeaseStore | None
+) -> tuple[HeldLease | None, Lease | None, LeaseStore | None, object]:
+    """guard's argument as (held lease, lease, its store, the token's value)."""
+    if isinstance(token, LocalLease):
+        token = token.token  # a direct call's: the bare token 0 (celery_lease/local.py)
+    if isinstance(token, HeldLease):
+        return token, token.lease, store or token.store, token.lease.token
+    if isinstance(token, Lease):
+        if store is None:
+            raise LeaseConfigError(
+                "fencing.guard needs the lease store to check a Lease: pass store=, "
+                "or the HeldLease (self.lease in a task, the lease of store.hold())"
+            )
+        return None, token, store, token.token
+    if store is not None:
+        raise LeaseConfigError("fencing.guard: store= is for checking a Lease, not a bare token")
+    return None, None, None, token
 
 
 def _still_granted(resource: str, lease: Lease, store: LeaseStore, held: HeldLease | None) -> None:

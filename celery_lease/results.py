@@ -355,29 +355,7 @@ class ResultTable:
             if existing is not None and existing.owner_id == lease.owner_id:
                 return existing  # an earlier attempt of this very commit was accepted
             raise
-        logger.info(
-            "result accepted key=%s token=%s task=%s",
-            lease.key,
-            lease.token,
-            row["task_id"] or "-",
-            extra={
-                "action": "commit",
-                "lease_key": lease.key,
-                "token": lease.token,
-                "task_id": row["task_id"],
-            },
-        )
-        return AcceptedResult(
-            lease.key,
-            lease.token,
-            row["task_id"],
-            lease.owner_id,
-            json.loads(encoded),
-            accepted_at,
-            row["task_name"],
-            row["tenant"],
-            row["root_id"],
-        )
+        return _accepted(lease, row, encoded, accepted_at)
 
     def end(self, lease: Lease, task_id: str, *, take_over: bool = False) -> EndMark:
         """Record ``task_id``'s end before its FAILURE is stored (:mod:`~.result_end`)."""
@@ -473,8 +451,7 @@ def _result_row(
     root_id: str | None,
     record: MetaRecord | None = None,
 ) -> dict[str, Any]:
-    """The row a commit inserts (and ``record``'s parameters); what the caller
-    leaves None comes from the lease's meta."""
+    """The row a commit inserts (and ``record``'s parameters); None takes the lease's meta."""
     meta = lease.meta
     extra = record.params() if record is not None else {}
     return {
@@ -498,3 +475,23 @@ def accepted(key: str, tenant: str | None = None, *, url: str) -> AcceptedResult
 def for_task(task_id: str, *, url: str) -> AcceptedResult | None:
     """The newest accepted result committed by ``task_id`` in the table at ``url``."""
     return ResultTable(url).for_task(task_id)
+
+
+def _accepted(
+    lease: Lease, row: dict[str, Any], encoded: str, accepted_at: float
+) -> AcceptedResult:
+    """Log an accepted commit and return what it wrote."""
+    key, token, task_id = lease.key, lease.token, row["task_id"]
+    extra = {"action": "commit", "lease_key": key, "token": token, "task_id": task_id}
+    logger.info("result accepted key=%s token=%s task=%s", key, token, task_id or "-", extra=extra)
+    return AcceptedResult(
+        key,
+        token,
+        task_id,
+        lease.owner_id,
+        json.loads(encoded),
+        accepted_at,
+        row["task_name"],
+        row["tenant"],
+        row["root_id"],
+    )

@@ -41,6 +41,27 @@ def normalize_sql_url(url: str) -> str:
     return url
 
 
+# create_engine's options by dialect (is_sqlite); the caller's engine_options win.
+_ENGINE_OPTIONS: dict[bool, dict[str, Any]] = {
+    True: {"future": True, "connect_args": {"timeout": 30.0, "check_same_thread": False}},
+    False: {
+        "future": True,
+        "connect_args": {"connect_timeout": 5},
+        "pool_size": 5,
+        "max_overflow": 20,
+    },
+}
+
+
+def _sqlite_path(database: str | None) -> str:
+    if database in (None, "", ":memory:"):
+        raise LeaseConfigError(
+            "an SQLite lease store needs a file shared by all processes: sqlite:///path "
+            "(for tests: celery_lease.testing, memory:// leases and a temporary file)"
+        )
+    return os.path.abspath(database)
+
+
 class Database:
     """An engine for one URL in this process, with the dialect's details."""
 
@@ -59,22 +80,9 @@ class Database:
         #: This dialect's statements (celery_lease.sql.dialects.Dialect).
         self.sql = DIALECTS[self.dialect]
         self.is_sqlite = self.dialect == "sqlite"
-        options: dict[str, Any] = {"future": True}
-        if self.is_sqlite:
-            database = parsed.database or ""
-            if database in ("", ":memory:"):
-                raise LeaseConfigError(
-                    "an SQLite lease store needs a file shared by all processes: sqlite:///path "
-                    "(for tests: celery_lease.testing, memory:// leases and a temporary file)"
-                )
-            self.sqlite_path: str | None = os.path.abspath(database)
-            options["connect_args"] = {"timeout": 30.0, "check_same_thread": False}
-        else:
-            self.sqlite_path = None
-            options["connect_args"] = {"connect_timeout": 5}
-            options["pool_size"] = 5
-            options["max_overflow"] = 20
-        options.update(engine_options)
+        #: The SQLite database file, None on PostgreSQL.
+        self.sqlite_path: str | None = _sqlite_path(parsed.database) if self.is_sqlite else None
+        options = {**_ENGINE_OPTIONS[self.is_sqlite], **engine_options}
         self.engine: Engine = create_engine(self.url, **options)
         if self.is_sqlite:
             _sqlite_listeners(self.engine)

@@ -119,20 +119,16 @@ class ScriptTransport:
         Like redis-py: a connection that fails mid-command is disconnected (the
         next use reconnects); the client's Retry policy applies; NOSCRIPT (a
         restarted or flushed server) is answered by sending the script (EVAL,
-        which also caches it). Like redis-py's pool, which polls a connection
-        before lending it: one whose server closed it while idle (a restart, an
-        idle timeout) is replaced. Here that shows as a ConnectionError on use, so
-        the command is sent once more on a new connection. Every command the
-        store sends here is safe to repeat: a repeated claim re-grants the same
-        owner, a repeated release or renewal finds its own work done, an evict
-        advances the fence again, the rest only read.
+        which also caches it). A connection the server closed while idle (a
+        restart, an idle timeout; redis-py's pool polls for that before lending)
+        shows as a ConnectionError on use: the command goes once more on a new
+        connection. Every command the store sends here is safe to repeat: a
+        repeated claim re-grants the same owner, a repeated release or renewal
+        finds its own work done, an evict advances the fence again, the rest read.
 
-        With ``then``, that command is written in the same packet and the
-        answer is the pair of replies.
-
-        A reply :meth:`send_later` left unread on the connection is read after
-        ``command`` is sent, while its reply is on the way, so reading it costs
-        the caller no wait of its own.
+        With ``then``, that command goes in the same packet and the answer is the
+        pair of replies. A reply :meth:`send_later` left unread is read after
+        ``command`` is sent, while its reply is on the way: no wait of its own.
         """
         conn, late = self._checkout()
         tries = 0
