@@ -93,18 +93,22 @@ def test_an_unreplicated_renewal_raises_store_unavailable(
     validity (celery_lease.renewal): the holder's view is not extended past what
     the replicas were told, and the lease is lost if they never answer."""
     master, replica = pair
-    store = LeaseStore.from_url(master.url(0), wait_replicas=1, wait_timeout_ms=50)
-    lease = store.claim(new_key("renew"), owner_id=A, ttl=30)
+    # The linked replica's acknowledgement is waited for with a patient store: on a
+    # loaded machine it can take longer than the 50 ms the paused case waits.
+    patient = LeaseStore.from_url(master.url(0), wait_replicas=1, wait_timeout_ms=5000)
+    hasty = LeaseStore.from_url(master.url(0), wait_replicas=1, wait_timeout_ms=50)
+    lease = patient.claim(new_key("renew"), owner_id=A, ttl=30)
     assert lease is not None
     replica.pause()
     try:
         wait_for(lambda: _state(replica.pid) == "T", 10, "the replica stopped")  # type: ignore[arg-type]
         with pytest.raises(StoreUnavailable, match="renewal of 1 lease"):
-            store.renew(lease, ttl=60)
+            hasty.renew(lease, ttl=60)
     finally:
         replica.resume()
-    assert store.renew(lease, ttl=60) is True, "renewed once the replica answers again"
-    store.close()
+    assert patient.renew(lease, ttl=60) is True, "renewed once the replica answers again"
+    patient.close()
+    hasty.close()
 
 
 def test_warn_keeps_an_unreplicated_grant_and_logs_it(
