@@ -16,7 +16,8 @@
   others prefork), each in its own process group, optionally started under
   ``faketime -f '+1h'`` (``FAKETIME_DONT_FAKE_MONOTONIC=1``), and
   restarted by a supervisor thread whenever one exits by itself (kombu's
-  Redis transport can make a worker exit when the broker restarts);
+  Redis transport can make a worker exit when the broker restarts) or stops
+  starting the tasks its queue holds (:mod:`tests.chaos.liveness`);
 * one more worker, ``probe`` (prefork, two children: one per concurrent long
   outage, store and result database), alone on the queue
   ``chaos.probe`` and with a small ``lease_defer_max`` (``DEFER_MAX``), for
@@ -37,7 +38,8 @@ from typing import Any
 
 from sqlalchemy import create_engine, text
 
-from tests.chaos.app import PROTECTED_DDL
+from tests.chaos import liveness, stacks
+from tests.chaos.app import PROBE_QUEUE, PROTECTED_DDL
 from tests.chaos.backends import META_HISTORY_DDL
 from tests.servers import (
     PostgresServer,
@@ -201,6 +203,10 @@ class Cluster:
         self._supervising = False
         self._supervisor: threading.Thread | None = None
         self.supervisor_restarts = 0
+        self.liveness_restarts = 0
+        self.liveness: liveness.Liveness | None = None
+        #: seconds between liveness checks (each reads the broker)
+        self.liveness_every = 5.0
 
     # -- servers ---------------------------------------------------------
 
@@ -289,11 +295,18 @@ class Cluster:
         self.log(f"{len(self.workers)} workers ready")
 
     def supervise(self) -> None:
+        held = (
+            liveness.held_in_redis(self.env["CHAOS_BROKER"])
+            if self.rabbit is None
+            else liveness.held_in_rabbitmq(self.rabbit)
+        )
+        self.liveness = liveness.Liveness(self.history, held)
         self._supervising = True
         self._supervisor = threading.Thread(target=self._supervise, name="supervisor", daemon=True)
         self._supervisor.start()
 
     def _supervise(self) -> None:
+        checked = time.monotonic()
         while self._supervising:
             for w in self.all_workers():
                 if w.alive() or not w.lock.acquire(blocking=False):
@@ -308,7 +321,36 @@ class Cluster:
                         w.launch(w.skew)
                 finally:
                     w.lock.release()
+            if time.monotonic() - checked >= self.liveness_every:
+                checked = time.monotonic()
+                try:
+                    self._check_liveness(checked)
+                except Exception as e:  # noqa: BLE001 - the broker may be down: next time
+                    self.log(f"supervisor: liveness check failed: {e!r}")
             time.sleep(0.5)
+
+    def _check_liveness(self, now: float) -> None:
+        assert self.liveness is not None
+        self.liveness.read(now)
+        for w in self.all_workers():
+            queue = PROBE_QUEUE if w is self.probe else "celery"
+            if not self.liveness.stalled(w.hostname, queue, now):
+                continue
+            if not w.lock.acquire(blocking=False):
+                continue  # a fault is acting on it (a SIGSTOP is no stall)
+            try:
+                label = time.strftime("%H%M%S")
+                stacks.dump([w], self.workdir / "stacks", f"{label}-liveness")
+                self.liveness_restarts += 1
+                self.log(
+                    f"supervisor: {w.name} started no task for {self.liveness.stall:.0f}s while "
+                    f"its queue held messages; stacks taken; restarting"
+                )
+                w.terminate(grace=10.0)
+                w.launch(w.skew)
+                self.liveness.restarted(w.hostname, time.monotonic())
+            finally:
+                w.lock.release()
 
     def stop_supervising(self) -> None:
         self._supervising = False

@@ -38,7 +38,7 @@ from typing import Any
 import redis
 from sqlalchemy import create_engine, text
 
-from tests.chaos import aof, backends, stacks
+from tests.chaos import aof, backends, liveness, stacks
 from tests.chaos.checker import (
     FINAL,
     Accepted,
@@ -433,6 +433,7 @@ class Run:
             )
         extra["log_counts"] = count_log_states(c.logdir)
         extra["supervisor_restarts"] = c.supervisor_restarts
+        extra["liveness_restarts"] = c.liveness_restarts
         extra["publish_errors"] = self.publish_errors
         history = History(
             submissions=subs,
@@ -470,6 +471,7 @@ class Run:
         f["leases_lost"] = counts.get("LEASE_LOST", 0)
         f["prerun"] = extra["events"].get("prerun", 0)
         f["supervisor_restarts"] = extra["supervisor_restarts"]
+        f["liveness_restarts"] = extra["liveness_restarts"]
         f["publish_retries"] = extra["publish_errors"]
         if "transport_lost_messages" in extra:
             f["broker_messages_lost"] = extra["transport_lost_messages"]
@@ -603,6 +605,11 @@ def format_table(f: dict[str, Any], report: Report) -> str:
         rows.append(("faults that failed to apply", json.dumps(f["faults_failed"])))
     rows += [
         ("worker exits restarted by the supervisor", str(f["supervisor_restarts"])),
+        (
+            f"stalled workers restarted (no task started for {liveness.STALL:.0f} s, "
+            "queue held; stacks taken)",
+            str(f["liveness_restarts"]),
+        ),
         ("publish retries (harness)", str(f["publish_retries"])),
         ("deferrals (LEASE_DEFERRED)", str(f["deferrals"])),
         ("rejections (LEASE_REJECTED)", str(f["rejections"])),
