@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,7 +13,10 @@ import pytest
 from kombu import Connection
 
 from tests.chaos import liveness
-from tests.servers import RedisServer
+from tests.chaos.app import build
+from tests.chaos.cluster import Cluster
+from tests.servers import RedisServer, wait_for
+from tests.workers import _state
 
 
 def _prerun(history: Path, host: str) -> None:
@@ -82,3 +88,37 @@ def test_held_in_redis_counts_a_queues_ready_and_unacked_messages(
         assert held("chaos.probe") == 1
         probe.close()
         other.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("faketime") is None, reason="faketime is not installed")
+def test_the_supervisor_restarts_a_worker_that_stopped_starting_its_queues_tasks(
+    tmp_path: Path,
+) -> None:
+    """The probe worker's pool children stopped: a probe it receives is never
+    started and stays held (unacked); the supervisor takes its stacks, restarts
+    the worker, and the probe runs."""
+    c = Cluster(tmp_path, broker="redis", workers=1, concurrency=1, ttl=4.0, vt=10.0)
+    try:
+        c.start_servers()
+        c.start_workers()
+        app, tasks = build(c.env)
+        c.liveness_every = 1.0
+        c.supervise()
+        assert c.liveness is not None and c.probe is not None
+        c.liveness.stall = 10.0
+        children = c.probe.pool_children()
+        assert children
+        for pid in children:
+            os.kill(pid, signal.SIGSTOP)
+        wait_for(
+            lambda: all(_state(p) == "T" for p in children), 10, "the probe worker's pool stopped"
+        )
+        result = tasks.probe.apply_async(args=("p-liveness", 0.05, -1))
+        wait_for(lambda: c.liveness_restarts == 1, 90, "the supervisor restarted it")
+        assert list((tmp_path / "stacks").glob("*-liveness-probe.txt")), "its stacks were taken"
+        assert result.get(timeout=90)["key"] == "p-liveness", "the held probe ran"
+        assert c.liveness_restarts == 1 and c.supervisor_restarts == 0, "no other worker touched"
+    finally:
+        c.shutdown()
