@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import shutil
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -103,7 +103,7 @@ def test_the_supervisor_restarts_a_worker_that_stopped_starting_its_queues_tasks
     try:
         c.start_servers()
         c.start_workers()
-        app, tasks = build(c.env)
+        _app, tasks = build(c.env)
         c.liveness_every = 1.0
         c.supervise()
         assert c.liveness is not None and c.probe is not None
