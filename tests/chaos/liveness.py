@@ -2,14 +2,22 @@
 
 A worker is stalled when messages of the queue it consumes have been held
 (ready, or delivered and not acked) for :data:`STALL` seconds and it started
-no task in that time (no ``prerun`` of its hostname in the history). A long
-run here saw it with the Redis broker (kombu 5.7, Celery 5.7): after a broker
-connection loss a prefork worker, the only consumer of its queue, reconnected,
-logged its tasks received and started none of them for forty minutes, its
-pool idle. No message was lost, but nothing would ever run it. A process
-manager with a liveness check restarts such a worker; so does the supervisor
-(:mod:`tests.chaos.cluster`), after taking its stacks, and the report counts
-these restarts apart from the faults.
+no task in that time (no ``prerun`` of its hostname in the history).
+
+Long runs here (Redis broker, Celery 5.7, kombu 5.7, billiard 4.3) left the
+probe worker, the only consumer of its queue, in that state twice. Once it
+reconnected after a broker connection loss, logged its tasks received and
+started none of them for forty minutes. Once it hit kombu's unrecoverable
+``AttributeError`` ('NoneType' object has no attribute 'hostname') while
+restoring unacked messages, began its warm shutdown and never finished it:
+its stacks show billiard's result handler blocked on a pool child's result
+pipe, waiting for the rest of a "message" of some 21 MB (most likely a
+frame's length read from the middle of another), so the process never
+exits and a supervisor that waits for an exit never restarts it. No
+message was lost either time, but nothing would ever run them. A process
+manager with a liveness check restarts such a worker; so does the
+supervisor (:mod:`tests.chaos.cluster`), after taking its stacks, and the
+report counts these restarts apart from the faults.
 """
 
 from __future__ import annotations
