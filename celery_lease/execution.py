@@ -440,17 +440,21 @@ class Execution:
             return
         key, token, task_id = self.key, held.token, self.task_id
 
-        def failed(e: LeaseError) -> None:  # holds no reference to this execution
+        def failed(e: BaseException) -> None:  # holds no reference to this execution
             logger.warning(
                 "could not release (it will expire): key=%s token=%s task=%s reason=%s",
                 key,
                 token,
                 task_id,
                 e,
+                exc_info=not isinstance(e, LeaseError),
                 extra={"action": "release_failed", "lease_key": key, "token": token},
             )
 
-        held.release_later(failed)
+        try:
+            held.release_later(failed)
+        except Exception as e:  # noqa: BLE001 - a defect: still never the task's outcome
+            failed(e)
 
     def _on_lost(self, held: HeldLease, reason: str) -> None:
         # Runs in the renewal thread: self.req is not this thread's request, so

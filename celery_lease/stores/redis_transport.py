@@ -176,7 +176,11 @@ class ScriptTransport:
         if not self.direct:
             _Late(command, answer).resend_on(self)
             return
-        conn, late = self._checkout()
+        try:
+            conn, late = self._checkout()
+        except RedisError as e:  # no connection kept, and none to be made: the server is down
+            _Late(command, answer).hand_over(None, e)
+            return
         if late is not None:  # two in a row on one connection: the first one's reply now
             late.settle(self, conn)
         try:
