@@ -38,6 +38,7 @@ from typing import Any
 
 from sqlalchemy import create_engine, text
 
+from tests import faketime
 from tests.chaos import liveness, stacks
 from tests.chaos.app import PROBE_QUEUE, PROTECTED_DDL
 from tests.chaos.backends import META_HISTORY_DDL
@@ -99,7 +100,7 @@ class ChaosWorker(Worker):
         self.env.pop("LD_PRELOAD", None)
         self.env["CHAOS_SKEW"] = skew or ""
         if skew:
-            self.argv = ["faketime", "-f", skew, *self.base_argv]
+            self.argv = faketime.command(skew, self.base_argv)
             self.env["FAKETIME_DONT_FAKE_MONOTONIC"] = "1"
             # see faketime_site/sitecustomize.py: time.sleep under libfaketime 0.9.10
             self.env["PYTHONPATH"] = os.pathsep.join(

@@ -20,6 +20,7 @@ import pytest
 
 from celery_lease import LeaseStore
 from celery_lease.stores.base import LeaseRecord
+from tests import faketime
 from tests.store_fixtures import (
     CLIENT,
     PYTHON,
@@ -55,7 +56,7 @@ STORES = [
 
 def client(skew: str | None, *args: str) -> list[str]:
     argv = [PYTHON, CLIENT, *args]
-    return ["faketime", "-f", skew, *argv] if skew else argv
+    return faketime.command(skew, argv) if skew else argv
 
 
 def run_clients(*runs: tuple[str | None, list[str]]) -> list[dict[str, Any]]:
