@@ -95,27 +95,38 @@ class Injector(ServerFaults):
 
     # -- the loop ----------------------------------------------------------
 
-    def run(self, until: float) -> None:
-        """Inject faults until ``until`` (monotonic); then wait for them and heal."""
+    def run(self, until: float, cover_within: float = 0.0) -> None:
+        """Inject faults until ``until`` (monotonic); then, for up to ``cover_within``
+        seconds more, only the kinds never applied yet (on a loaded machine a kind
+        can fail to apply at every try of a short run); then wait for them and heal."""
+        self._inject_until(until, self.kinds)
+        missing = tuple(k for k in self.kinds if not self.counts[k])
+        if missing and cover_within > 0:
+            self.log(f"faults never applied: {list(missing)}; trying them {cover_within:.0f}s more")
+            self._inject_until(time.monotonic() + cover_within, missing)
+        self.heal()
+
+    def _inject_until(self, until: float, kinds: tuple[str, ...]) -> None:
         while time.monotonic() < until and not self._stop.is_set():
             pause = min(self.rng.expovariate(self.rate), max(0.0, until - time.monotonic()))
             self._stop.wait(pause)
             self._unskew_due()
             if time.monotonic() >= until:
                 break
-            self._inject_one()
-        self.heal()
+            if kinds is not self.kinds and all(self.counts[k] for k in kinds):
+                break  # every kind applied
+            self._inject_one(kinds)
 
-    def _inject_one(self) -> None:
+    def _inject_one(self, kinds: tuple[str, ...]) -> None:
         # The kind applied least often goes first; an attempt that failed to
         # apply (a worker between restarts has no pool child to kill) does not
         # count as applied, so that kind is tried again soon: a short run must
         # apply every kind, not merely try it.
-        launched = Counter({k: self.counts[k] for k in self.kinds})
+        launched = Counter({k: self.counts[k] for k in kinds})
         for k in self._inflight_kinds():
             if k in launched:
                 launched[k] += 1
-        order = sorted(self.kinds, key=lambda k: (launched[k], self.failed[k], self.rng.random()))
+        order = sorted(kinds, key=lambda k: (launched[k], self.failed[k], self.rng.random()))
         for kind in order:
             target = self._target(kind)
             if target is None:
