@@ -14,8 +14,12 @@ def test_the_census_counts_celery_leases_objects_in_reference_cycles() -> None:
     looped.self = looped  # type: ignore[attr-defined]
     del looped
     census = take(hold_cycles=False)
-    assert census["cycles"] == {"celery_lease.exceptions.LeaseError": 1}
-    assert take()["cycles"] == {}, "counted cycles are freed, not kept"
+    # Only this cycle's own entry: a background thread an earlier test of this
+    # process left (a renewer retrying a stopped server) can make garbage of
+    # its own between the collect above and the census.
+    assert census["cycles"].get("celery_lease.exceptions.LeaseError") == 1, census["cycles"]
+    again = take()["cycles"]
+    assert "celery_lease.exceptions.LeaseError" not in again, "counted cycles are freed, not kept"
 
 
 def test_holding_cycles_switches_the_collector_off_until_the_next_census() -> None:
