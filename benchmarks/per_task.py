@@ -143,6 +143,9 @@ def run(env: Env) -> Section:
             if any(kinds[key].kind == "floor" for key in samples):
                 floor_lines += _floors(pool, kinds, samples, ratios, missed_here)
                 section.summary.append(_floor_summary(pool, ratios))
+            for text, pair_met in _pair_targets(pool, samples):
+                verdicts.append(target_line(pair_met, text))
+                section.summary.append(f"Per task ({pool}): {text}: {_mark(pair_met)}")
         section.add(table.markdown())
         section.add("\n".join(f"- {v}" for v in verdicts))
         if floor_lines:
@@ -388,6 +391,49 @@ def _floors(
                 "not above theirs (they lock at publish time and record no result)."
             )
     return lines
+
+
+#: Head-to-head targets, each (contender, baseline, least ratio, what the baseline is):
+#: the lock-only task against the peers (which lock at publish time and unlock in the
+#: worker), and the PostgreSQL pair against its own statements sent raw (the distance
+#: is celery-lease's own Python).
+PAIR_TARGETS = [
+    ("leased-redis-nocommit", "once", 1.0, "celery-once `QueueOnce`"),
+    ("leased-redis-nocommit", "singleton", 1.0, "celery-singleton `Singleton`"),
+    ("leased-pg-pg", "floor-pg-protocol", 0.95,
+     "the floor row of celery-lease's own two PostgreSQL statements sent raw"),
+]  # fmt: skip
+
+_PAIR_LABELS = {
+    "leased-redis-nocommit": "lock-only `LeasedTask` (Redis store, `lease_commit=False`)",
+    "leased-pg-pg": "`LeasedTask`: PostgreSQL store + PostgreSQL results",
+}
+
+
+def _pair_targets(pool: str, samples: dict[str, list[float]]) -> list[tuple[str, bool | None]]:
+    """Each PAIR_TARGETS row both of whose contenders ran complete rounds: the median
+    over rounds of contender ÷ baseline in the same round, and the spread of that
+    ratio over the rounds (how far one round's figure can be from the next)."""
+    out: list[tuple[str, bool | None]] = []
+    for key, base, least, base_label in PAIR_TARGETS:
+        xs, bs = samples.get(key, []), samples.get(base, [])
+        if not xs or len(xs) != len(bs):
+            continue
+        per_round = [x / b for x, b in zip(xs, bs) if b]
+        ratio = median(per_round)
+        spread = f"rounds {min(per_round):.2f} to {max(per_round):.2f}"
+        out.append(
+            (
+                f"{pool}, {_PAIR_LABELS[key]} ≥ {least:.2f}\u00d7 {base_label} "
+                f"({fmt_ratio(ratio)}; {spread})",
+                ratio >= least,
+            )
+        )
+    return out
+
+
+def _mark(met: bool | None) -> str:
+    return "n/a" if met is None else ("met" if met else "missed")
 
 
 def _floor_summary(pool: str, ratios: dict[str, float]) -> str:
