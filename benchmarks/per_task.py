@@ -143,8 +143,8 @@ def run(env: Env) -> Section:
             if any(kinds[key].kind == "floor" for key in samples):
                 floor_lines += _floors(pool, kinds, samples, ratios, missed_here)
                 section.summary.append(_floor_summary(pool, ratios))
-            for text, pair_met in _pair_targets(pool, samples):
-                verdicts.append(target_line(pair_met, text))
+            for text, pair_met in _pair_targets(samples):
+                verdicts.append(target_line(pair_met, f"{pool}, {text}"))
                 section.summary.append(f"Per task ({pool}): {text}: {_mark(pair_met)}")
         section.add(table.markdown())
         section.add("\n".join(f"- {v}" for v in verdicts))
@@ -410,7 +410,7 @@ _PAIR_LABELS = {
 }
 
 
-def _pair_targets(pool: str, samples: dict[str, list[float]]) -> list[tuple[str, bool | None]]:
+def _pair_targets(samples: dict[str, list[float]]) -> list[tuple[str, bool | None]]:
     """Each PAIR_TARGETS row both of whose contenders ran complete rounds: the median
     over rounds of contender ÷ baseline in the same round, and the spread of that
     ratio over the rounds (how far one round's figure can be from the next)."""
@@ -424,7 +424,7 @@ def _pair_targets(pool: str, samples: dict[str, list[float]]) -> list[tuple[str,
         spread = f"rounds {min(per_round):.2f} to {max(per_round):.2f}"
         out.append(
             (
-                f"{pool}, {_PAIR_LABELS[key]} ≥ {least:.2f}\u00d7 {base_label} "
+                f"{_PAIR_LABELS[key]} ≥ {least:.2f}\u00d7 {base_label} "
                 f"({fmt_ratio(ratio)}; {spread})",
                 ratio >= least,
             )
