@@ -115,7 +115,10 @@ def main() -> int:
         agents.append(a)
         wait(a.ready, 60, "agent A to start")
         say("agent A is ready")
-        t1 = generate_security_suite.delay(42, seconds=3.0)
+        # A's body must outlast B's start and B's claim, or B's copy finds the key
+        # free and is never deferred (seconds, on a loaded machine). The
+        # body's clock runs on while A is stopped, so A still ends soon after SIGCONT.
+        t1 = generate_security_suite.delay(42, seconds=8.0)
         first = wait(lambda: _live(store), 30, "A's claim")
         say(f"A claims {KEY} (token {first.token}, owner {first.owner_id})")
 
