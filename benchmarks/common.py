@@ -711,6 +711,12 @@ def by_package(stats: pstats.Stats, per: int) -> dict[str, float]:
     return out
 
 
+def ran(stats: pstats.Stats, path_part: str, func: str) -> bool:
+    """Whether ``func`` in a file whose path contains ``path_part`` ran under the profile."""
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+    return any(fn == func and path_part in f for (f, _l, fn) in raw)
+
+
 def cumulative(stats: pstats.Stats, per: int, path_part: str, func: str) -> float:
     """Cumulative seconds per unit of ``func`` in files whose path contains ``path_part``."""
     raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from benchmarks.common import (
     median,
     paired_ratios,
     profile_compare,
+    ran,
     target_line,
     top_functions,
 )
@@ -202,6 +203,12 @@ def run(env: Env) -> Section:
     return section
 
 
+#: The module whose Execution methods are the task path's steps (claim, prepare,
+#: commit, release); a step that did not run (or is no longer defined there)
+#: reads "not run", never 0.
+EXECUTOR = "celery_lease/execution.py"
+
+
 def _profile(targets: Targets, misses: list[Kind], n: int) -> str:
     """cProfile the solo worker's main thread (it runs the tasks) for plain and the misses."""
     kinds = {k.key: k for k in KINDS}
@@ -252,20 +259,21 @@ def _profile(targets: Targets, misses: list[Kind], n: int) -> str:
                         key=lambda kv: -kv[1])  # fmt: skip
         shown = [f"{c} {d * 1e6:+,.0f} µs" for c, d in deltas if abs(d) * 1e6 >= 50]
         steps = [
-            (what, cumulative(stats, per, "celery_lease/task.py", func))
-            for what, func in (
-                ("claim", "claim"),
-                ("prepare", "prepare"),
-                ("commit", "commit"),
-                ("release", "release"),
+            (
+                what,
+                cumulative(stats, per, EXECUTOR, what) if ran(stats, EXECUTOR, what) else None,
             )
+            for what in ("claim", "prepare", "commit", "release")
         ]
         parts += [
             "",
             f"Where the time goes, {k.label}: {more * 1e6:,.0f} µs per task more than plain "
             f"under cProfile: {', '.join(shown)}. Of the task path, "
-            + ", ".join(f"{what} {t * 1e6:,.0f} µs" for what, t in steps)
-            + " (cumulative, `celery_lease/task.py`).",
+            + ", ".join(
+                f"{what} {t * 1e6:,.0f} µs" if t is not None else f"{what} not run"
+                for what, t in steps
+            )
+            + f" (cumulative, `{EXECUTOR}`).",
             "",
             f"{k.label}: heaviest celery-lease functions:",
             "",
