@@ -48,7 +48,30 @@ def main(argv: list[str] | None = None) -> int:
         "from) instead of a private cluster",
     )
     parser.add_argument("--keep-tmp", action="store_true", help="keep the temporary directory")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        metavar="N",
+        help="rounds for the drain sections (2 and 9) instead of their default (3): more "
+        "rounds narrow a head-to-head ratio on a noisy machine",
+    )
+    parser.add_argument(
+        "--contenders",
+        default="",
+        metavar="KEYS",
+        help="section 2 runs only these contenders, comma-separated (plain, the baseline, "
+        "always), without its profiles and statement timings: a head-to-head, e.g. "
+        "once,singleton,leased-redis-nocommit",
+    )
     args = parser.parse_args(argv)
+    from benchmarks.workers import FLOORS, KINDS
+
+    known = [k.key for k in (*KINDS, *FLOORS)]
+    contenders = tuple(c.strip() for c in args.contenders.split(",") if c.strip())
+    if [c for c in contenders if c not in known]:
+        parser.error(f"unknown contender(s) in --contenders; known: {', '.join(known)}")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     only = [n.strip() for item in args.only for n in item.split(",") if n.strip()]
     unknown = [n for n in only if n not in BENCHMARKS]
     if unknown:
@@ -63,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     host = machine()
     log(f"starting servers in {tmpdir}")
     env = start_env(tmpdir, args.quick, args.redis_url, args.pg_url)
+    env.rounds, env.contenders = args.rounds, contenders
     sections: list[Section] = []
     failed: list[str] = []
     out = Path(args.out)

@@ -51,7 +51,7 @@ _MARK = {True: "met", False: "**missed**", None: "n/a"}
 
 def run(env: Env) -> Section:
     n = 150 if env.quick else 2000
-    rounds = 1 if env.quick else 3
+    rounds = env.rounds or (1 if env.quick else 3)
     section = Section(NAME, TITLE, intro=_intro(n, rounds))
     if not env.has_pg:
         section.add("_Not run: the baselines and both `LeasedTask` rows need PostgreSQL._")

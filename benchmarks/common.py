@@ -50,6 +50,10 @@ class Env:
     redis_db_base: int = 0
     servers: list[Any] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
+    #: --rounds: rounds for the drain sections (2 and 9) instead of their default
+    rounds: int | None = None
+    #: --contenders: section 2 runs only these (and plain, its baseline)
+    contenders: tuple[str, ...] = ()
     _next_db: int = 0
     _pg_dbs: list[str] = field(default_factory=list)
 

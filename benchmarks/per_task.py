@@ -32,7 +32,7 @@ POOLS = ["solo", "prefork"]
 
 def run(env: Env) -> Section:
     n = 150 if env.quick else 2000
-    rounds = 1 if env.quick else 3
+    rounds = env.rounds or (1 if env.quick else 3)
     targets = Targets.make(env, "pertask")
     section = Section(
         NAME,
@@ -57,6 +57,8 @@ def run(env: Env) -> Section:
     )
     #: the floors (a durable result per task, no lease) run in the full run only
     contenders = KINDS if env.quick else [*KINDS, *FLOORS]
+    if env.contenders:  # a head-to-head: these and the baseline only
+        contenders = [k for k in contenders if k.key in {"plain", *env.contenders}]
     kinds = {k.key: k for k in contenders}
     skipped: dict[str, str] = {}
     for k in contenders:
@@ -188,13 +190,13 @@ def run(env: Env) -> Section:
                 + "\n".join(f"- {line}" for line in floor_lines)
             )
         section.add(cpu_table(tally.cpu, kinds))
-        if not env.quick:
+        if not env.quick and not env.contenders:
             plain_prefork = median(results.get("prefork", {}).get("plain", []))
             section.add(statements.run(env, n=2000, rounds=3, plain_prefork=plain_prefork))
         left_out = tally.left_out()
         if left_out:
             section.add(left_out)
-        if misses and not env.quick:
+        if misses and not env.quick and not env.contenders:
             section.add(_profile(targets, misses, n=min(n, 1000)))
         elif misses:
             section.add("_Profiles of the misses are taken in the full run only._")
