@@ -122,7 +122,10 @@ def test_amqp_redelivery_during_the_run_does_not_run_the_body_twice(
     from tests.apps.leaseapp import build
 
     log = tmp_path / "exec.log"
+    hold = tmp_path / "hold"  # the body runs on until the broker has redelivered
+    hold.touch()
     env = {
+        "CL_HOLD": str(hold),
         "CL_BROKER": rabbit.url(),
         "CL_BACKEND": redis_url,
         "CL_STORE": redis_url,
@@ -177,6 +180,7 @@ def test_amqp_redelivery_during_the_run_does_not_run_the_body_twice(
         )
         first_copy = redelivered[0]
         assert first_copy["t"] >= closing_at
+        hold.unlink()
         ended = _rows(log, "end", result.id)
         assert not ended or first_copy["t"] < ended[0]["t"], (
             "the copy arrived only after the body ended: no concurrent redelivery was tested"
