@@ -44,6 +44,8 @@ def env(redis_url: str, tmp_path: Path) -> dict[str, str]:
         "CL_RESULTS": f"sqlite:///{tmp_path / 'results.sqlite3'}",
         "CL_TTL": str(TTL),
         "CL_LOG": str(tmp_path / "exec.log"),
+        # While this file exists a body runs on past its sleep (tests/apps/leaseapp.py).
+        "CL_HOLD": str(tmp_path / "hold"),
     }
 
 
@@ -91,6 +93,8 @@ def test_flower_shows_fenced_deferred_and_rejected(
         flower.warm_up(work_one)
 
         # -- FENCED, part 1: A claims K, then its process group stops. -----------
+        hold = Path(env["CL_HOLD"])  # A's body runs on until A is paused, however slow
+        hold.touch()
         sent_a = time.monotonic()  # A's claim, and so its lease, began after this
         first = tasks.work.apply_async((key,), {"sleep": 4.0, "tag": "A"}, queue="a")
         token_a = _started(log, first.id)["token"]
@@ -98,6 +102,7 @@ def test_flower_shows_fenced_deferred_and_rejected(
         assert not any(r["event"] == "end" and r["task_id"] == first.id for r in read_log(log)), (
             "A was paused too late: its body had ended"
         )
+        hold.unlink()  # A's body ends once it resumes
         # B's submission of K is deferred while A's lease lives, then takes over.
         second = tasks.work.apply_async((key,), {"tag": "B"}, queue="b")
 
