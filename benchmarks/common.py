@@ -661,9 +661,13 @@ class Section:
         return "\n".join(parts)
 
 
+def mark(met: bool | None) -> str:
+    return "n/a" if met is None else ("met" if met else "missed")
+
+
 def target_line(met: bool | None, text: str) -> str:
-    mark = "n/a" if met is None else ("**met**" if met else "**missed**")
-    return f"Target: {text}: {mark}."
+    shown = mark(met) if met is None else f"**{mark(met)}**"
+    return f"Target: {text}: {shown}."
 
 
 def profile_compare(profiles: dict[str, tuple[pstats.Stats, int]], unit: str = "task") -> str:
@@ -715,16 +719,13 @@ def by_package(stats: pstats.Stats, per: int) -> dict[str, float]:
     return out
 
 
-def ran(stats: pstats.Stats, path_part: str, func: str) -> bool:
-    """Whether ``func`` in a file whose path contains ``path_part`` ran under the profile."""
+def cumulative(stats: pstats.Stats, per: int, path_part: str, func: str) -> float | None:
+    """Cumulative seconds per unit of ``func`` in files whose path contains ``path_part``;
+    None if no such function ran under the profile (a renamed or moved one reads as
+    missing, never as 0)."""
     raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
-    return any(fn == func and path_part in f for (f, _l, fn) in raw)
-
-
-def cumulative(stats: pstats.Stats, per: int, path_part: str, func: str) -> float:
-    """Cumulative seconds per unit of ``func`` in files whose path contains ``path_part``."""
-    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
-    return sum(v[3] / per for (f, _l, fn), v in raw.items() if fn == func and path_part in f)
+    found = [v[3] for (f, _l, fn), v in raw.items() if fn == func and path_part in f]
+    return sum(found) / per if found else None
 
 
 # ---------------------------------------------------------------------------

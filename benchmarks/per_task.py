@@ -15,10 +15,10 @@ from benchmarks.common import (
     fmt_ratio,
     interleave,
     log,
+    mark,
     median,
     paired_ratios,
     profile_compare,
-    ran,
     target_line,
     top_functions,
 )
@@ -148,7 +148,7 @@ def run(env: Env) -> Section:
                 section.summary.append(_floor_summary(pool, ratios))
             for text, pair_met in _pair_targets(samples):
                 verdicts.append(target_line(pair_met, f"{pool}, {text}"))
-                section.summary.append(f"Per task ({pool}): {text}: {_mark(pair_met)}")
+                section.summary.append(f"Per task ({pool}): {text}: {mark(pair_met)}")
         section.add(table.markdown())
         section.add("\n".join(f"- {v}" for v in verdicts))
         if floor_lines:
@@ -261,10 +261,7 @@ def _profile(targets: Targets, misses: list[Kind], n: int) -> str:
                         key=lambda kv: -kv[1])  # fmt: skip
         shown = [f"{c} {d * 1e6:+,.0f} µs" for c, d in deltas if abs(d) * 1e6 >= 50]
         steps = [
-            (
-                what,
-                cumulative(stats, per, EXECUTOR, what) if ran(stats, EXECUTOR, what) else None,
-            )
+            (what, cumulative(stats, per, EXECUTOR, what))
             for what in ("claim", "prepare", "commit", "release")
         ]
         parts += [
@@ -440,10 +437,6 @@ def _pair_targets(samples: dict[str, list[float]]) -> list[tuple[str, bool | Non
             )
         )
     return out
-
-
-def _mark(met: bool | None) -> str:
-    return "n/a" if met is None else ("met" if met else "missed")
 
 
 def _floor_summary(pool: str, ratios: dict[str, float]) -> str:

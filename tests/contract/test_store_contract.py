@@ -310,7 +310,7 @@ def test_every_operation_agrees_on_expiry_at_the_boundary(store: LeaseStore) -> 
 def test_hold_keeps_the_lease_past_several_ttls_and_releases_on_exit(store: LeaseStore) -> None:
     key = new_key()
     # Renewed every TTL/3: at 3 s a renewal may come up to 2 s late before the
-    # lease lapses (at 1 s, [cluster] failed once on two loaded cores).
+    # lease lapses, slack a loaded two-core machine needs (1 s leaves 0.67 s).
     ttl = 3.0
     refusals = 0
     with store.hold(key, ttl=ttl, owner_id=A) as held:

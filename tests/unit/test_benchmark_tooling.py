@@ -1,10 +1,9 @@
 """Benchmark tooling, checked without running a benchmark.
 
 The profile names the task path's steps by module and function
-(benchmarks/per_task.py, EXECUTOR): they must still be there, or the report
-prints "not run" for steps that ran (it once printed 0 µs for each, silently,
-after the steps moved out of celery_lease/task.py). A head-to-head's bad
-arguments fail before any server starts."""
+(benchmarks/per_task.py, EXECUTOR): a refactor that moves them must move the
+name too, or the report says "not run" for steps that ran. A head-to-head's
+bad arguments fail before any server starts."""
 
 from __future__ import annotations
 
