@@ -23,7 +23,11 @@ session servers; they take their own from ``make_redis_server`` /
 ``make_pg_server`` (function-scoped factories, torn down after the test).
 
 Tests marked ``@pytest.mark.slow`` (soak, chaos, benchmarks) are skipped
-unless pytest runs with ``--slow`` (or ``CELERY_LEASE_SLOW=1``).
+unless pytest runs with ``--slow`` (or ``CELERY_LEASE_SLOW=1``). Those also
+marked ``ci`` (the CI-sized chaos runs, the quick benchmark pass, the short
+soaks, the oldest-Celery install) are the long runs ``.ci/run`` runs after the
+default suite, ``scripts/test --slow -m ci``: the default suite keeps its
+15-minute budget.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ pytest_plugins = ("pytester", "celery_lease.testing.pytest_plugin")
 
 MARKERS = {
     "slow": "soak / chaos / benchmark test; skipped unless --slow is given",
+    "ci": "a long run .ci/run runs after the default suite (--slow -m ci); always also slow",
     "redis": "needs the private Redis server",
     "postgres": "needs the private PostgreSQL cluster",
     "rabbitmq": "needs the private RabbitMQ node",
@@ -116,6 +121,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     run_slow = _slow_enabled(config)
     skip_slow = pytest.mark.skip(reason="slow test: run with --slow (or CELERY_LEASE_SLOW=1)")
     for item in items:
+        if item.get_closest_marker("ci") is not None and item.get_closest_marker("slow") is None:
+            # A ci test outside slow would run twice in .ci/run (and count against
+            # the default suite's budget): say so at collection, not in a timing.
+            raise pytest.UsageError(f"{item.nodeid}: marked 'ci' but not 'slow'")
         fixtures = getattr(item, "fixturenames", ())
         for marker in sorted({_FIXTURE_MARKERS[f] for f in fixtures if f in _FIXTURE_MARKERS}):
             if item.get_closest_marker(marker) is None:

@@ -3,7 +3,8 @@
 It asserts nothing about speed: only that ``python -m benchmarks --quick``
 exits 0 and that BENCHMARKS.md has every benchmark's table (the full run is
 ``python -m benchmarks --out BENCHMARKS.md``). How long the pass took is
-printed (``.ci/run``'s ``--durations`` shows it too); on a loaded machine it
+printed (``.ci/run``'s ``--durations`` shows it too; it is one of
+``.ci/run``'s long runs, ``scripts/test --slow -m ci``); on a loaded machine it
 takes longer, which is no failure of the code.
 """
 
@@ -33,6 +34,8 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow  # a benchmark pass (two minutes): .ci/run's long runs (-m ci)
+@pytest.mark.ci
 @pytest.mark.timeout(660)
 def test_quick_benchmarks_write_every_table(tmp_path: Path) -> None:
     out = tmp_path / "BENCHMARKS.md"

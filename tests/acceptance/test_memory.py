@@ -30,7 +30,8 @@ from tests.census import growth
 from tests.servers import PostgresServer, RedisServer
 from tests.workers import Worker
 
-pytestmark = pytest.mark.timeout(300)
+# A soak (about 30 s a case): .ci/run's long runs (-m ci), not the default suite.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.ci]
 
 WARM_UP = 150
 STRETCH = 600

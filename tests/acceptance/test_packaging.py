@@ -104,6 +104,8 @@ def test_wheel_registers_the_result_backend_and_ships_its_migration(wheel: Path)
 
 
 @pytest.mark.redis
+@pytest.mark.slow  # a version-matrix cell: .ci/run's long runs (-m ci)
+@pytest.mark.ci
 def test_redis_extra_with_the_oldest_celery_gets_a_working_redis_transport(
     wheel: Path, tmp_path: Path, make_redis_server: object
 ) -> None:

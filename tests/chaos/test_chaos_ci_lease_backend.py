@@ -23,6 +23,8 @@ from tests.chaos.ci import run_and_check
 from tests.chaos.faults import KINDS, REDIS_STORE_KINDS
 
 pytestmark = [
+    pytest.mark.slow,  # .ci/run's long runs (-m ci), as test_chaos_ci.py
+    pytest.mark.ci,
     pytest.mark.timeout(600),
     pytest.mark.skipif(shutil.which("faketime") is None, reason="faketime is not installed"),
 ]

@@ -163,6 +163,8 @@ def test_every_operation_stays_within_a_lowered_server_limit(
     assert store.list() == []
 
 
+@pytest.mark.slow  # a soak of three TTLs: .ci/run's long runs (-m ci)
+@pytest.mark.ci
 def test_a_process_renews_200_leases_for_three_ttls(etcd_url: str) -> None:  # noqa: F811
     """The store-level renewer: one renew_many per interval for all 200 leases."""
     store = LeaseStore.from_url(etcd_url)

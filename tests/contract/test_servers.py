@@ -70,6 +70,11 @@ def test_slow_tests_are_skipped_unless_asked_for(
         def test_soak():
             pass
 
+        @pytest.mark.slow
+        @pytest.mark.ci
+        def test_ci_sized_chaos_run():
+            pass
+
         @pytest.mark.parametrize("mode", ["slow", "fast"])
         def test_quick(mode):
             pass
@@ -79,12 +84,32 @@ def test_slow_tests_are_skipped_unless_asked_for(
         """
     )
     result = pytester.runpytest_inprocess("-m", "not redis", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=2, skipped=1, deselected=1)
+    result.assert_outcomes(passed=2, skipped=2, deselected=1)
     result = pytester.runpytest_inprocess("-m", "not redis", "--slow", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=3, deselected=1)
+    result.assert_outcomes(passed=4, deselected=1)
+    # .ci/run's long runs: exactly the tests marked ci
+    result = pytester.runpytest_inprocess("-m", "ci", "--slow", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, deselected=4)
     monkeypatch.setenv("CELERY_LEASE_SLOW", "1")
     result = pytester.runpytest_inprocess("-m", "not redis", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=3, deselected=1)
+    result.assert_outcomes(passed=4, deselected=1)
+
+
+def test_a_ci_test_not_marked_slow_is_refused_at_collection(pytester: pytest.Pytester) -> None:
+    # It would run in the default suite and again in .ci/run's long runs.
+    pytester.makeconftest("from tests.conftest import *  # noqa: F403\n")
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.ci
+        def test_long_run():
+            pass
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*test_long_run*marked 'ci' but not 'slow'*"])
 
 
 # --------------------------------------------------------------------------
