@@ -30,8 +30,7 @@ from tests.census import growth
 from tests.servers import PostgresServer, RedisServer
 from tests.workers import Worker
 
-# A soak (about 30 s a case): .ci/run's long runs (-m ci), not the default suite.
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.ci]
+pytestmark = pytest.mark.timeout(300)
 
 WARM_UP = 150
 STRETCH = 600
@@ -49,6 +48,8 @@ def _drain(app: Any, task: Any, n: int, tag: str) -> None:
     assert len(values) == n
 
 
+@pytest.mark.slow  # a soak, about 30 s a case: .ci/run's long runs (-m ci)
+@pytest.mark.ci
 @pytest.mark.parametrize(
     "config", ["redis+postgresql", "redis lock-only", "sqlite"], ids=lambda c: c.replace(" ", "-")
 )
