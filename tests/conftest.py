@@ -120,6 +120,7 @@ _FIXTURE_MARKERS = {
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     run_slow = _slow_enabled(config)
     skip_slow = pytest.mark.skip(reason="slow test: run with --slow (or CELERY_LEASE_SLOW=1)")
+    skip_ci = pytest.mark.skip(reason="a long run of .ci/run's: scripts/test --slow -m ci")
     for item in items:
         if item.get_closest_marker("ci") is not None and item.get_closest_marker("slow") is None:
             # A ci test outside slow would run twice in .ci/run (and count against
@@ -130,7 +131,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if item.get_closest_marker(marker) is None:
                 item.add_marker(marker)
         if not run_slow and item.get_closest_marker("slow") is not None:
-            item.add_marker(skip_slow)
+            item.add_marker(skip_ci if item.get_closest_marker("ci") is not None else skip_slow)
 
 
 @pytest.hookimpl(wrapper=True)
