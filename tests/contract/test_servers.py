@@ -95,6 +95,36 @@ def test_slow_tests_are_skipped_unless_asked_for(
     result.assert_outcomes(passed=4, deselected=1)
 
 
+def test_a_long_default_suite_test_is_named_at_the_end_of_the_run(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tests.conftest
+
+    # Any test is "long" at a budget of 0 s: what is checked is who is named.
+    monkeypatch.setattr(tests.conftest, "LONG_TEST_S", 0.0)
+    monkeypatch.delenv("CELERY_LEASE_SLOW", raising=False)
+    pytester.makeconftest("from tests.conftest import *  # noqa: F403\n")
+    pytester.makepyfile(
+        """
+        import pytest
+
+        def test_in_the_default_suite():
+            pass
+
+        @pytest.mark.slow
+        @pytest.mark.ci
+        def test_long_run():
+            pass
+        """
+    )
+    result = pytester.runpytest_inprocess("--slow", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        ["*default-suite tests over the per-test budget*", "*test_in_the_default_suite: over 0 s*"]
+    )
+    result.stdout.no_fnmatch_line("*test_long_run: over*")
+
+
 def test_a_ci_test_not_marked_slow_is_refused_at_collection(pytester: pytest.Pytester) -> None:
     # It would run in the default suite and again in .ci/run's long runs.
     pytester.makeconftest("from tests.conftest import *  # noqa: F403\n")
