@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import cProfile
 import itertools
+import math
 import os
 import platform
 import pstats
@@ -302,6 +303,30 @@ def _os_name() -> str:
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def median_interval(xs: Sequence[float], confidence: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free interval for the median of ``xs`` (one value per round),
+    or None when there are too few values for one at this ``confidence``.
+
+    The rounds' order statistics: the true median lies below the k-th smallest
+    value with probability P(Binomial(n, 1/2) < k), so [x(k), x(n+1-k)] with the
+    largest k whose two tails together stay within 1 - ``confidence`` covers it
+    at least that often. No assumption about how the noise is distributed,
+    which on a shared machine is anything but normal.
+    """
+    n = len(xs)
+    tail = (1.0 - confidence) / 2
+    k, below = 0, 0.0  # below: P(Binomial(n, 1/2) <= k - 1)
+    while k < n // 2:
+        nxt = below + math.comb(n, k) / 2**n
+        if nxt > tail:
+            break
+        k, below = k + 1, nxt
+    if k == 0:
+        return None
+    s = sorted(xs)
+    return s[k - 1], s[n - k]
 
 
 def percentile(xs: Sequence[float], p: float) -> float:

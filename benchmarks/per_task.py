@@ -17,6 +17,7 @@ from benchmarks.common import (
     log,
     mark,
     median,
+    median_interval,
     paired_ratios,
     profile_compare,
     target_line,
@@ -432,11 +433,26 @@ def _pair_targets(samples: dict[str, list[float]]) -> list[tuple[str, bool | Non
         out.append(
             (
                 f"{_PAIR_LABELS[key]} ≥ {least:.2f}\u00d7 {base_label} "
-                f"({fmt_ratio(ratio)}; {spread})",
+                f"({fmt_ratio(ratio)}; {spread}{_against_noise(per_round, least)})",
                 ratio >= least,
             )
         )
     return out
+
+
+def _against_noise(per_round: list[float], least: float) -> str:
+    """Whether the rounds tell the median from the target: its 95% interval
+    (benchmarks.common.median_interval) above, below or across ``least``."""
+    interval = median_interval(per_round)
+    if interval is None:
+        return "; too few rounds for a 95% interval of the median"
+    lo, hi = interval
+    where = (
+        "above the target" if lo >= least
+        else "below the target" if hi < least
+        else "across the target: these rounds cannot tell the median from it"
+    )  # fmt: skip
+    return f"; 95% interval of the median {lo:.2f} to {hi:.2f}, {where}"
 
 
 def _floor_summary(pool: str, ratios: dict[str, float]) -> str:
