@@ -76,3 +76,21 @@ def test_a_head_to_head_verdict_says_when_the_rounds_cannot_tell() -> None:
     assert "below the target" in _against_noise([0.8, 0.9, 0.85, 0.7, 0.95, 0.88, 0.9], 1.0)
     assert "cannot tell" in _against_noise([0.9, 1.1, 0.95, 1.05, 1.0, 0.97, 1.02], 1.0)
     assert "too few rounds" in _against_noise([1.1, 1.2, 1.3], 1.0)
+
+
+def test_the_cpu_reading_of_a_head_to_head_is_the_baselines_cpu_over_the_contenders() -> None:
+    from benchmarks.per_task import _pair_cpu
+
+    def cpu(worker: float) -> dict[str, float]:  # ms per task; "machine" also counts the rest
+        return {"worker": worker, "PostgreSQL": 0.5, "Redis": 0.2, "machine": 9.0}
+
+    lines = _pair_cpu(
+        {
+            "leased-pg-pg": [cpu(1.3)] * 7,  # 2.0 ms served per task
+            "floor-pg-protocol": [cpu(1.26)] * 7,  # 1.96 ms: 1.96 / 2.0 = 0.98
+            "leased-redis-nocommit": [cpu(1.0)] * 6,
+            "once": [cpu(0.9)] * 7,  # a round left out of one side: no reading
+        }
+    )
+    assert len(lines) == 1, lines
+    assert "0.98\u00d7" in lines[0] and "above the target" in lines[0], lines[0]
