@@ -83,7 +83,8 @@ class SentinelLeaseStore(RedisLeaseStore):
                 for k, v in options.items()
                 if k.startswith("socket_") and k != "socket_read_size"
             }
-        self.sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        # redis-py types Sentinel from 8.2 on; before it, these calls are untyped.
+        self.sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
             list(nodes.addresses),
             min_other_sentinels=min_other,
             sentinel_kwargs=dict(sentinel_kwargs),
@@ -91,7 +92,7 @@ class SentinelLeaseStore(RedisLeaseStore):
         for client in self.sentinel.sentinels:  # built, not connected: options are checked
             pool = client.connection_pool
             pool.connection_class(**pool.connection_kwargs)
-        master: redis.Redis = self.sentinel.master_for(  # type: ignore[no-untyped-call]
+        master: redis.Redis = self.sentinel.master_for(  # type: ignore[no-untyped-call, unused-ignore]
             master_name, db=nodes.db, **options
         )
         return master
