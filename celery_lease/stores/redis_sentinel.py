@@ -83,7 +83,8 @@ class SentinelLeaseStore(RedisLeaseStore):
                 for k, v in options.items()
                 if k.startswith("socket_") and k != "socket_read_size"
             }
-        # redis-py types Sentinel from 8.2 on; before it, these calls are untyped.
+        # Newer redis-py (8.2 here) types Sentinel, older releases do not: the
+        # ignores name unused-ignore so that mypy --strict passes on both.
         self.sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
             list(nodes.addresses),
             min_other_sentinels=min_other,
