@@ -6,6 +6,9 @@ exits 0 and that BENCHMARKS.md has every benchmark's table (the full run is
 printed (``.ci/run``'s ``--durations`` shows it too; it is one of
 ``.ci/run``'s long runs, ``scripts/test --slow -m ci``); on a loaded machine it
 takes longer, which is no failure of the code.
+
+``python -m benchmarks.task_path`` (the task's own path, no worker) runs
+tiny here, in the default suite: a few seconds.
 """
 
 from __future__ import annotations
@@ -81,3 +84,35 @@ def test_quick_benchmarks_write_every_table(tmp_path: Path) -> None:
     )
     worker_ms = float(plain.split("|")[3])
     assert worker_ms > 0, f"the plain worker's CPU per task was not measured: {plain}"
+
+
+@pytest.mark.timeout(120)  # a few seconds: private servers, 2 rounds of 20 tasks
+def test_task_path_prints_every_contender_and_target() -> None:
+    """``python -m benchmarks.task_path``, tiny: a row per contender with its time
+    measured, and a ratio line per target pair (it asserts nothing about speed)."""
+    from benchmarks.task_path import ORDER, PAIRS
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.task_path", "--rounds", "2", "-n", "20"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"
+    rows = [
+        line.split("|")[1:-1]
+        for line in proc.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith(("| ---", "| contender"))
+    ]
+    assert len(rows) == len(ORDER), proc.stdout
+    for cells in rows:
+        assert float(cells[1].replace(",", "")) > 0, cells  # µs per task
+        assert float(cells[3].replace(",", "")) > 0, cells  # CPU µs per task
+    ratios = [line for line in proc.stdout.splitlines() if line.startswith("- ")]
+    assert len(ratios) == len(PAIRS), proc.stdout
+    assert all("\u00d7 (rounds " in line for line in ratios), ratios
