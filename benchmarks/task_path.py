@@ -21,8 +21,13 @@ Prints a Markdown table: the median µs per task (wall) and the CPU µs per
 task of this process (``time.process_time``, which excludes the servers), the
 µs above plain; then, per target pair of section 2 (by contender key), the
 baseline's time over the contender's in each round, the median over rounds:
-a throughput ratio, as in section 2. A run of the defaults takes about a
-minute.
+a throughput ratio, as in section 2. Last, Redis's own time per task: one
+more pass of N tasks per contender that talks to Redis, between ``CONFIG
+RESETSTAT`` and ``INFO commandstats`` on the private server (the peers' locks
+and the lease store share it; ``apply()`` uses no broker), each command's
+calls per task and the server's µs per call. A script's µs include the
+commands it calls, which are listed after it. A run of the defaults takes
+about a minute.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import redis
 
 from benchmarks import benchapp
 from benchmarks.common import Table, fmt_ratio, interleave, log, median, start_env
@@ -81,14 +88,16 @@ def _runner(targets: Targets, kind: Kind, times: Path) -> Callable[[int], None]:
     return run
 
 
-def measure(
-    targets: Targets, kinds: list[Kind], n: int, rounds: int
-) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-    """Seconds per task (wall, and this process's CPU) per round, per contender."""
+def runners(targets: Targets, kinds: list[Kind]) -> dict[str, Callable[[int], None]]:
     times = targets.env.tmpdir / "task-path-times"
     times.mkdir(exist_ok=True)
-    runners = {k.key: _runner(targets, k, times) for k in kinds}
-    counter = iter(range(10**9))
+    return {k.key: _runner(targets, k, times) for k in kinds}
+
+
+def measure(
+    runners: dict[str, Callable[[int], None]], counter: Iterator[int], n: int, rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Seconds per task (wall, and this process's CPU) per round, per contender."""
     for run in runners.values():  # connections, prepared statements, first-use imports
         for _ in range(max(50, n // 10)):
             run(next(counter))
@@ -105,6 +114,38 @@ def measure(
         return wall
 
     return interleave(list(runners), rounds, one_round), cpu
+
+
+def server_time(
+    runners: dict[str, Callable[[int], None]], counter: Iterator[int], n: int, url: str
+) -> str:
+    """Redis's own µs per task, by command, per contender that sends Redis commands."""
+    client = redis.Redis.from_url(url)
+    lines = []
+    try:
+        for key, run in runners.items():
+            client.config_resetstat()
+            for _ in range(n):
+                run(next(counter))
+            stats = client.info("commandstats")
+            used = sorted(
+                (
+                    (v["usec"], name.removeprefix("cmdstat_").upper(), v)
+                    for name, v in stats.items()
+                    if name not in ("cmdstat_config|resetstat", "cmdstat_config", "cmdstat_info")
+                ),
+                reverse=True,
+            )
+            if not used:
+                continue
+            parts = [
+                f"{name} {v['calls'] / n:.2f} \u00d7 {v['usec_per_call']:.2f} µs"
+                for _, name, v in used
+            ]
+            lines.append(f"- Redis for {key}, per task: " + ", ".join(parts))
+    finally:
+        client.close()
+    return "\n".join(lines)
 
 
 def table(wall: dict[str, list[float]], cpu: dict[str, list[float]], labels: dict[str, str]) -> str:
@@ -146,8 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         if absent:
             log(f"task path: left out: {absent}")
         kinds = [k for k in kinds if k.key not in absent]
-        wall, cpu = measure(targets, kinds, args.n, args.rounds)
+        contenders = runners(targets, kinds)
+        counter = iter(range(10**9))  # a distinct lease key per task, over every pass
+        wall, cpu = measure(contenders, counter, args.n, args.rounds)
         print(table(wall, cpu, {k.key: k.label for k in kinds}))
+        print()
+        print(server_time(contenders, counter, args.n, env.store_url(targets.db)))
     finally:
         targets.close()
         env.close()

@@ -89,7 +89,8 @@ def test_quick_benchmarks_write_every_table(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)  # a few seconds: private servers, 2 rounds of 20 tasks
 def test_task_path_prints_every_contender_and_target() -> None:
     """``python -m benchmarks.task_path``, tiny: a row per contender with its time
-    measured, and a ratio line per target pair (it asserts nothing about speed)."""
+    measured, a ratio line per target pair, and Redis's own time per task for each
+    contender that uses Redis, by command (it asserts nothing about speed)."""
     from benchmarks.task_path import ORDER, PAIRS
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
@@ -113,6 +114,15 @@ def test_task_path_prints_every_contender_and_target() -> None:
     for cells in rows:
         assert float(cells[1].replace(",", "")) > 0, cells  # µs per task
         assert float(cells[3].replace(",", "")) > 0, cells  # CPU µs per task
-    ratios = [line for line in proc.stdout.splitlines() if line.startswith("- ")]
+    lines = proc.stdout.splitlines()
+    ratios = [line for line in lines if line.startswith("- ") and "\u00d7 (rounds " in line]
     assert len(ratios) == len(PAIRS), proc.stdout
-    assert all("\u00d7 (rounds " in line for line in ratios), ratios
+    # Redis's own time: the peers' unlock and the lease store's two scripts, counted
+    server = {line.split(",")[0]: line for line in lines if line.startswith("- Redis for ")}
+    assert set(server) == {
+        "- Redis for once",
+        "- Redis for singleton",
+        "- Redis for leased-redis-nocommit",
+    }, proc.stdout
+    assert "DEL 1.00 \u00d7 " in server["- Redis for once"], proc.stdout
+    assert "EVALSHA 1.00 \u00d7 " in server["- Redis for leased-redis-nocommit"], proc.stdout
