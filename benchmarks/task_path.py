@@ -88,7 +88,8 @@ def _runner(targets: Targets, kind: Kind, times: Path) -> Callable[[int], None]:
     return run
 
 
-def runners(targets: Targets, kinds: list[Kind]) -> dict[str, Callable[[int], None]]:
+def build_runners(targets: Targets, kinds: list[Kind]) -> dict[str, Callable[[int], None]]:
+    """Each contender's task, built in this process: a call runs it once with apply()."""
     times = targets.env.tmpdir / "task-path-times"
     times.mkdir(exist_ok=True)
     return {k.key: _runner(targets, k, times) for k in kinds}
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         if absent:
             log(f"task path: left out: {absent}")
         kinds = [k for k in kinds if k.key not in absent]
-        contenders = runners(targets, kinds)
+        contenders = build_runners(targets, kinds)
         counter = iter(range(10**9))  # a distinct lease key per task, over every pass
         wall, cpu = measure(contenders, counter, args.n, args.rounds)
         print(table(wall, cpu, {k.key: k.label for k in kinds}))
