@@ -13,7 +13,8 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.common import ROOT, Env, Section, log, machine, start_env
+from benchmarks.env import ROOT, Env, log, machine, start_env
+from benchmarks.report import Section
 
 #: module names, in the order they run and appear in BENCHMARKS.md
 BENCHMARKS = [

@@ -9,19 +9,11 @@ from __future__ import annotations
 
 from functools import partial
 
-from benchmarks.common import (
-    Env,
-    Section,
-    Table,
-    fmt_rate,
-    fmt_ratio,
-    interleave,
-    median,
-    paired_ratios,
-    target_line,
-)
 from benchmarks.drains import Tally, cpu_table
+from benchmarks.env import Env
 from benchmarks.per_task import POOLS
+from benchmarks.report import Section, Table, target_line
+from benchmarks.stats import fmt_rate, fmt_ratio, interleave, median, paired_ratios
 from benchmarks.workers import Kind, RunResult, Targets, drain
 
 NAME = "backends"

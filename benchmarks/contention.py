@@ -9,15 +9,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common import (
-    Env,
-    Section,
-    Table,
+from benchmarks.env import Env, log
+from benchmarks.report import Section, Table
+from benchmarks.stats import (
     fmt_rate,
     fmt_ratio,
     fmt_us,
     interleave,
-    log,
     median,
     paired_ratios,
     percentile,

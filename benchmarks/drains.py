@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from benchmarks.common import Table, fmt_rate, log, median
+from benchmarks.env import log
+from benchmarks.report import Table
+from benchmarks.stats import fmt_rate, median
 from benchmarks.workers import Kind, RunResult
 
 

@@ -8,18 +8,9 @@ import sqlite3
 import time
 from typing import Any
 
-from benchmarks.common import (
-    Env,
-    Section,
-    Table,
-    fmt_ratio,
-    fmt_us,
-    interleave,
-    log,
-    median,
-    percentile,
-    target_line,
-)
+from benchmarks.env import Env, log
+from benchmarks.report import Section, Table, target_line
+from benchmarks.stats import fmt_ratio, fmt_us, interleave, median, percentile
 
 NAME = "growth"
 TITLE = "6. Growth: latency with many live leases and accepted results"

@@ -14,7 +14,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from benchmarks.common import Env, Section, Table, log, median
+from benchmarks.env import Env, log
+from benchmarks.report import Section, Table
+from benchmarks.stats import median
 from benchmarks.workers import KINDS, Kind, Targets, WorkerRun
 
 NAME = "memory"

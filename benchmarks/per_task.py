@@ -5,25 +5,11 @@ from __future__ import annotations
 import pstats
 
 from benchmarks import statements
-from benchmarks.common import (
-    Env,
-    Section,
-    Table,
-    by_package,
-    cumulative,
-    fmt_rate,
-    fmt_ratio,
-    interleave,
-    log,
-    mark,
-    median,
-    median_interval,
-    paired_ratios,
-    profile_compare,
-    target_line,
-    top_functions,
-)
 from benchmarks.drains import CPU_GROUPS, Tally, cpu_table
+from benchmarks.env import Env, log
+from benchmarks.profiles import by_package, cumulative, profile_compare, top_functions
+from benchmarks.report import Section, Table, mark, target_line
+from benchmarks.stats import fmt_rate, fmt_ratio, interleave, median, median_interval, paired_ratios
 from benchmarks.workers import FLOORS, KINDS, Kind, Targets, WorkerRun, drain
 
 NAME = "per_task"
@@ -475,7 +461,7 @@ def _served(cpu: dict[str, float]) -> float:
 
 def _against_noise(per_round: list[float], least: float) -> str:
     """Whether the rounds tell the median from the target: its 95% interval
-    (benchmarks.common.median_interval) above, below or across ``least``."""
+    (benchmarks.stats.median_interval) above, below or across ``least``."""
     interval = median_interval(per_round)
     if interval is None:
         return "; too few rounds for a 95% interval of the median"

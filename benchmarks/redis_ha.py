@@ -8,17 +8,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common import (
-    Env,
-    Section,
-    Table,
-    fmt_rate,
-    fmt_ratio,
-    fmt_us,
-    interleave,
-    log,
-    median,
-)
+from benchmarks.env import Env, log
+from benchmarks.report import Section, Table
+from benchmarks.stats import fmt_rate, fmt_ratio, fmt_us, interleave, median
 
 NAME = "redis_ha"
 TITLE = "8. Redis Sentinel and Cluster: claim + release pairs per second"

@@ -6,23 +6,11 @@ import pstats
 import time
 from typing import Any
 
-from benchmarks.common import (
-    Env,
-    RedisMonitor,
-    Section,
-    Table,
-    fmt_ms,
-    fmt_ratio,
-    interleave,
-    log,
-    median,
-    paired_ratios,
-    pg_reset_statements,
-    pg_statements,
-    profile_summary,
-    profiled,
-    target_line,
-)
+from benchmarks.counters import RedisMonitor, pg_reset_statements, pg_statements
+from benchmarks.env import Env, log
+from benchmarks.profiles import profile_summary, profiled
+from benchmarks.report import Section, Table, target_line
+from benchmarks.stats import fmt_ms, fmt_ratio, interleave, median, paired_ratios
 
 NAME = "renewal"
 TITLE = "4. Renewal scaling: leases held by one process, one renewal cycle"

@@ -5,19 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.common import (
-    Env,
+from benchmarks.counters import (
     RedisMonitor,
-    Section,
-    Table,
-    log,
     pg_reset_statements,
     pg_statements,
     redis_commandstats,
     short_sql,
     sql_name,
-    target_line,
 )
+from benchmarks.env import Env, log
+from benchmarks.report import Section, Table, target_line
 from benchmarks.workers import KINDS, Kind, Targets, WorkerRun
 
 NAME = "round_trips"

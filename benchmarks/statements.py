@@ -11,7 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks.common import Env, Table, interleave, log, median, short_sql, sql_name
+from benchmarks.counters import short_sql, sql_name
+from benchmarks.env import Env, log
+from benchmarks.report import Table
+from benchmarks.stats import interleave, median
 
 #: the floors' statements (benchmarks/benchapp.py's ``_Floor``)
 FLOOR_SELECT = "SELECT result FROM bench_floor_results WHERE task_id = {m}"

@@ -43,7 +43,9 @@ from pathlib import Path
 import redis
 
 from benchmarks import benchapp
-from benchmarks.common import Table, fmt_ratio, interleave, log, median, start_env
+from benchmarks.env import log, start_env
+from benchmarks.report import Table
+from benchmarks.stats import fmt_ratio, interleave, median
 from benchmarks.workers import FLOORS, KINDS, Kind, Targets
 
 #: The contenders, in the order of the table.

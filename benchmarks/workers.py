@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import benchapp
-from benchmarks.common import ROOT, CpuSampler, Env, log
+from benchmarks.cpu import CpuSampler
+from benchmarks.env import ROOT, Env, log
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common import median_interval
 from benchmarks.per_task import EXECUTOR, _against_noise
+from benchmarks.stats import median_interval
 from celery_lease.execution import Execution
 
 
