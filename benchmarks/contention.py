@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from benchmarks.env import Env, log
+from benchmarks.primitive_contenders import pg_raw_statements
 from benchmarks.report import Section, Table
 from benchmarks.stats import (
     fmt_rate,
@@ -26,23 +27,7 @@ TITLE = "5. Contention: 32 processes on one key"
 PROCS = 32
 TTL = 30.0
 
-PG_RAW_TABLE = """
-CREATE TABLE IF NOT EXISTS bench_raw_contention (
-    lease_key text PRIMARY KEY, owner_id text, fencing_token bigint NOT NULL,
-    expires_at double precision NOT NULL)
-"""
-PG_RAW_CLAIM = """
-INSERT INTO bench_raw_contention AS l (lease_key, owner_id, fencing_token, expires_at)
-VALUES (%s, %s, 1, extract(epoch FROM clock_timestamp()) + %s)
-ON CONFLICT (lease_key) DO UPDATE SET owner_id = excluded.owner_id,
-    fencing_token = l.fencing_token + 1, expires_at = excluded.expires_at
-WHERE l.expires_at <= extract(epoch FROM clock_timestamp())
-RETURNING fencing_token
-"""
-PG_RAW_RELEASE = """
-UPDATE bench_raw_contention SET expires_at = extract(epoch FROM clock_timestamp())
-WHERE lease_key = %s AND owner_id = %s AND fencing_token = %s
-"""
+PG_RAW_TABLE, PG_RAW_CLAIM, PG_RAW_RELEASE = pg_raw_statements("bench_raw_contention")
 
 #: contender -> (store, baseline?)
 CONTENDERS = {

@@ -8,29 +8,40 @@ import sqlite3
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from benchmarks.env import Env
+
+if TYPE_CHECKING:
+    from celery_lease import LeaseStore
 
 TTL = 30.0
 OWNER = "bench-owner:1:0123456789abcdef"
 
-PG_RAW_TABLE = """
-CREATE TABLE IF NOT EXISTS bench_raw_leases (
+
+def pg_raw_statements(table: str) -> tuple[str, str, str]:
+    """The raw PostgreSQL baseline on ``table``: its CREATE, claim and release."""
+    create = f"""
+CREATE TABLE IF NOT EXISTS {table} (
     lease_key text PRIMARY KEY, owner_id text, fencing_token bigint NOT NULL,
     expires_at double precision NOT NULL)
 """
-PG_RAW_CLAIM = """
-INSERT INTO bench_raw_leases AS l (lease_key, owner_id, fencing_token, expires_at)
+    claim = f"""
+INSERT INTO {table} AS l (lease_key, owner_id, fencing_token, expires_at)
 VALUES (%s, %s, 1, extract(epoch FROM clock_timestamp()) + %s)
 ON CONFLICT (lease_key) DO UPDATE SET owner_id = excluded.owner_id,
     fencing_token = l.fencing_token + 1, expires_at = excluded.expires_at
 WHERE l.expires_at <= extract(epoch FROM clock_timestamp())
 RETURNING fencing_token
 """
-PG_RAW_RELEASE = """
-UPDATE bench_raw_leases SET expires_at = extract(epoch FROM clock_timestamp())
+    release = f"""
+UPDATE {table} SET expires_at = extract(epoch FROM clock_timestamp())
 WHERE lease_key = %s AND owner_id = %s AND fencing_token = %s
 """
+    return create, claim, release
+
+
+PG_RAW_TABLE, PG_RAW_CLAIM, PG_RAW_RELEASE = pg_raw_statements("bench_raw_leases")
 SQLITE_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 SQLITE_RAW_TABLE = """
 CREATE TABLE IF NOT EXISTS bench_raw_leases (
@@ -68,6 +79,18 @@ class Contender:
         self.step = ""
 
 
+def _store_pair(store: LeaseStore) -> Pair:
+    """celery-lease's claim + release on ``store``."""
+
+    def ours(key: str) -> None:
+        lease = store.claim(key, ttl=TTL, owner_id=OWNER)
+        if lease is None:
+            raise AssertionError("celery-lease refused a fresh key")
+        store.release(lease)
+
+    return ours
+
+
 def redis_contenders(env: Env) -> tuple[list[Contender], list[tuple[str, str]], int]:
     import redis
 
@@ -88,11 +111,7 @@ def redis_contenders(env: Env) -> tuple[list[Contender], list[tuple[str, str]], 
 
     store = LeaseStore.from_url(url)
 
-    def ours(key: str) -> None:
-        lease = store.claim(key, ttl=TTL, owner_id=OWNER)
-        if lease is None:
-            raise AssertionError("celery-lease refused a fresh key")
-        store.release(lease)
+    ours = _store_pair(store)
 
     out.append(Contender("Redis", "celery-lease `RedisLeaseStore`", ours, ours=True))
 
@@ -151,11 +170,7 @@ def pg_contenders(env: Env, url: str) -> list[Contender]:
 
     store = LeaseStore.from_url(url)
 
-    def ours(key: str) -> None:
-        lease = store.claim(key, ttl=TTL, owner_id=OWNER)
-        if lease is None:
-            raise AssertionError("celery-lease refused a fresh key")
-        store.release(lease)
+    ours = _store_pair(store)
 
     return [
         Contender("PostgreSQL", "raw INSERT ON CONFLICT + UPDATE (psycopg)", raw, baseline=True),
@@ -180,11 +195,7 @@ def sqlite_contenders(env: Env) -> list[Contender]:
 
     store = LeaseStore.from_url(env.sqlite_url("store"))
 
-    def ours(key: str) -> None:
-        lease = store.claim(key, ttl=TTL, owner_id=OWNER)
-        if lease is None:
-            raise AssertionError("celery-lease refused a fresh key")
-        store.release(lease)
+    ours = _store_pair(store)
 
     return [
         Contender("SQLite", "raw INSERT ON CONFLICT + UPDATE (sqlite3)", raw, baseline=True),
