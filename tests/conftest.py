@@ -25,9 +25,9 @@ session servers; they take their own from ``make_redis_server`` /
 Tests marked ``@pytest.mark.slow`` (soak, chaos, benchmarks) are skipped
 unless pytest runs with ``--slow`` (or ``CELERY_LEASE_SLOW=1``). Those also
 marked ``ci`` (the CI-sized chaos runs, the quick benchmark pass, the short
-soaks, the oldest-Celery install) are the long runs ``.ci/run`` runs after the
-default suite, ``scripts/test --slow -m ci``: the default suite keeps its
-15-minute budget.
+soaks, and every install into a fresh virtualenv, marked ``packaging``) are
+the long runs ``.ci/run`` runs after the default suite, ``scripts/test
+--slow -m ci``: the default suite keeps its 15-minute budget.
 """
 
 from __future__ import annotations
@@ -148,6 +148,7 @@ _FIXTURE_MARKERS = {
     "make_pg_server": "postgres",
     "rabbitmq_server": "rabbitmq",
     "amqp_url": "rabbitmq",
+    "installed_venv": "packaging",
 }
 
 
@@ -156,14 +157,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_slow = pytest.mark.skip(reason="slow test: run with --slow (or CELERY_LEASE_SLOW=1)")
     skip_ci = pytest.mark.skip(reason="a long run of .ci/run's: scripts/test --slow -m ci")
     for item in items:
-        if item.get_closest_marker("ci") is not None and item.get_closest_marker("slow") is None:
-            # A ci test outside slow would run twice in .ci/run (and count against
-            # the default suite's budget): say so at collection, not in a timing.
-            raise pytest.UsageError(f"{item.nodeid}: marked 'ci' but not 'slow'")
         fixtures = getattr(item, "fixturenames", ())
         for marker in sorted({_FIXTURE_MARKERS[f] for f in fixtures if f in _FIXTURE_MARKERS}):
             if item.get_closest_marker(marker) is None:
                 item.add_marker(marker)
+        if item.get_closest_marker("ci") is not None and item.get_closest_marker("slow") is None:
+            # A ci test outside slow would run twice in .ci/run (and count against
+            # the default suite's budget): say so at collection, not in a timing.
+            raise pytest.UsageError(f"{item.nodeid}: marked 'ci' but not 'slow'")
+        if (
+            item.get_closest_marker("packaging") is not None
+            and item.get_closest_marker("ci") is None
+        ):
+            # A fresh virtualenv costs a pip install (half a minute of CPU on two
+            # cores, more with extras): one per test would take the default suite
+            # past its budget, as they once did, unnoticed, one install at a time.
+            raise pytest.UsageError(
+                f"{item.nodeid}: installs the package (marked 'packaging') but is not a "
+                "long run: mark it slow and ci"
+            )
         if not run_slow and item.get_closest_marker("slow") is not None:
             item.add_marker(skip_ci if item.get_closest_marker("ci") is not None else skip_slow)
 

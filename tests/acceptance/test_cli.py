@@ -15,6 +15,10 @@ from pathlib import Path
 
 import pytest
 
+# A fresh virtualenv per pytest worker: a long run of .ci/run (-m ci), outside the
+# default suite's 15 minutes.
+pytestmark = [pytest.mark.packaging, pytest.mark.slow, pytest.mark.ci]
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Runs in the installed venv: claim a key as "the owner" and print the lease.

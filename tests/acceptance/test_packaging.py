@@ -10,7 +10,14 @@ import pytest
 
 from tests.wheel_venv import build_wheel, clean_env, fresh_venv, pip
 
-pytestmark = [pytest.mark.packaging, pytest.mark.timeout(1200)]
+# Fresh virtualenvs from a built wheel: minutes of CPU on two cores, so these are
+# long runs of .ci/run (-m ci), outside the default suite's 15 minutes.
+pytestmark = [
+    pytest.mark.packaging,
+    pytest.mark.slow,
+    pytest.mark.ci,
+    pytest.mark.timeout(1200),
+]
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +110,7 @@ def test_wheel_registers_the_result_backend_and_ships_its_migration(wheel: Path)
     assert "celery_lease/migrations/versions/0005_ended.py" in names
 
 
-@pytest.mark.redis
-@pytest.mark.slow  # a version-matrix cell: .ci/run's long runs (-m ci)
-@pytest.mark.ci
+@pytest.mark.redis  # a version-matrix cell
 def test_redis_extra_with_the_oldest_celery_gets_a_working_redis_transport(
     wheel: Path, tmp_path: Path, make_redis_server: object
 ) -> None:

@@ -83,6 +83,9 @@ def test_python_blocks_compile() -> None:
             compile(block, str(page.relative_to(ROOT)), "exec")
 
 
+@pytest.mark.packaging  # a fresh virtualenv: .ci/run's long runs (-m ci)
+@pytest.mark.slow
+@pytest.mark.ci
 def test_operations_cli_commands_run(installed_venv: Path, tmp_path: Path) -> None:
     """Run each `celery -A proj lease ...` line of docs/operations.md, in order."""
     work = tmp_path / "work"
@@ -120,7 +123,9 @@ def test_settings_page_shows_every_default() -> None:
         assert shown[name] == setting.readme_default, name
 
 
-@pytest.mark.packaging
+@pytest.mark.packaging  # a fresh virtualenv: .ci/run's long runs (-m ci)
+@pytest.mark.slow
+@pytest.mark.ci
 @pytest.mark.redis
 @pytest.mark.postgres
 @pytest.mark.timeout(1500)

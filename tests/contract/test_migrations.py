@@ -322,7 +322,9 @@ INSTALLED_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.packaging
+@pytest.mark.packaging  # a fresh virtualenv: .ci/run's long runs (-m ci)
+@pytest.mark.slow
+@pytest.mark.ci
 def test_non_editable_install_applies_migrations(
     installed_venv: Path, tmp_path: Path, fresh_url_pg: str
 ) -> None:

@@ -142,6 +142,28 @@ def test_a_ci_test_not_marked_slow_is_refused_at_collection(pytester: pytest.Pyt
     result.stderr.fnmatch_lines(["*test_long_run*marked 'ci' but not 'slow'*"])
 
 
+def test_a_packaging_test_outside_the_long_runs_is_refused_at_collection(
+    pytester: pytest.Pytester,
+) -> None:
+    # An install into a fresh virtualenv belongs in .ci/run's long runs, whether
+    # it says so with the marker or by asking for the installed_venv fixture.
+    pytester.makeconftest("from tests.conftest import *  # noqa: F403\n")
+    pytester.makepyfile(
+        marked="import pytest\n\n@pytest.mark.packaging\ndef test_marked():\n    pass\n",
+        by_fixture="def test_by_fixture(installed_venv):\n    pass\n",
+        long_run=(
+            "import pytest\n\n@pytest.mark.packaging\n@pytest.mark.slow\n@pytest.mark.ci\n"
+            "def test_long_run():\n    pass\n"
+        ),
+    )
+    for name in ("marked", "by_fixture"):
+        result = pytester.runpytest_inprocess("-p", "no:cacheprovider", f"{name}.py")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, name
+        result.stderr.fnmatch_lines([f"*test_{name}*installs the package*mark it slow and ci*"])
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--co", "long_run.py")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+
+
 # --------------------------------------------------------------------------
 # Redis
 # --------------------------------------------------------------------------
