@@ -42,6 +42,7 @@ WHERE lease_key = %s AND owner_id = %s AND fencing_token = %s
 
 
 PG_RAW_TABLE, PG_RAW_CLAIM, PG_RAW_RELEASE = pg_raw_statements("bench_raw_leases")
+
 SQLITE_NOW = "((julianday('now') - 2440587.5) * 86400.0)"
 SQLITE_RAW_TABLE = """
 CREATE TABLE IF NOT EXISTS bench_raw_leases (

@@ -170,8 +170,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             and item.get_closest_marker("ci") is None
         ):
             # A fresh virtualenv costs a pip install (half a minute of CPU on two
-            # cores, more with extras): one per test would take the default suite
-            # past its budget, as they once did, unnoticed, one install at a time.
+            # cores, more with extras). Installs add up one test at a time, and a
+            # suite's total time never says which test took it over its budget:
+            # the marker is checked here instead.
             raise pytest.UsageError(
                 f"{item.nodeid}: installs the package (marked 'packaging') but is not a "
                 "long run: mark it slow and ci"
