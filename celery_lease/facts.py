@@ -28,6 +28,7 @@ __all__ = [
     "Outcome",
     "Read",
     "Unread",
+    "outage_countdown",
 ]
 
 
@@ -147,3 +148,9 @@ class Ended(enum.Enum):
 class EndAnswer:
     ended: Ended
     remaining: float = 0.0  # COPY_HOLDS: that copy's lease left
+
+
+def outage_countdown(ttl: float) -> float:
+    """The countdown of a deferral that waits for no lease (an outage): the
+    table's "default"."""
+    return min(ttl, 5.0)

@@ -133,14 +133,14 @@ c_caught:
   :: r == ACCEPTED -> goto committed
   :: r == STALE -> goto not_done      /* commit.fenced */
   :: r == DUP -> SPENT goto fail_ack        /* commit.duplicate -> duplicate.reject */
-  /* @code celery_lease/decide.py:decide_commit "return Outcome(\"commit.ended\", Act.STORE_FAILURE)" */
+  /* @code celery_lease/decide/finish.py:decide_commit "return Outcome(\"commit.ended\", Act.STORE_FAILURE)" */
   :: r == ENDED -> SPENT nxt = E_COMMIT; goto end_mark /* commit.ended -> end.* */
   fi;
 
 /* commit.retry while the local view lasts, else commit.unknown: re-queue
  * (a copy that finds the row accepted stores it), then the release. */
 c_unavail:
-  /* @code celery_lease/decide.py:decide_commit "return Outcome(\"commit.unknown\", Act.REQUEUE, \"commit outcome unknown\", note=note)" */
+  /* @code celery_lease/decide/finish.py:decide_commit "return Outcome(\"commit.unknown\", Act.REQUEUE, \"commit outcome unknown\", note=note)" */
   if
   :: !w_lapsed[w] -> goto commit
   :: true -> skip

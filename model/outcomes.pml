@@ -1,6 +1,6 @@
 /*
  * How an execution ends, included in the worker's body. Each outcome is
- * the row of celery_lease/decide.py named beside it.
+ * the row of celery_lease/decide/ named beside it.
  */
 
 /* A release, then where nxt says (a failed release is logged: it expires).
@@ -67,9 +67,9 @@ end_mark:
        fi;
        say_end(w, T, r);
        nxt = 0;
-       /* @code celery_lease/decide.py:decide_end "return Outcome(\"end.marked\", Act.STORE_FAILURE)" */
-       /* @code celery_lease/decide.py:decide_end "return Outcome(\"end.copy_holds\", Act.DEFER, why, countdown=s.answer.remaining)" */
-       /* @code celery_lease/decide.py:decide_end "return _requeue(\"end.holder_gone\")" */
+       /* @code celery_lease/decide/finish.py:decide_end "return Outcome(\"end.marked\", Act.STORE_FAILURE)" */
+       /* @code celery_lease/decide/finish.py:decide_end "return Outcome(\"end.copy_holds\", Act.DEFER, why, countdown=s.answer.remaining)" */
+       /* @code celery_lease/decide/finish.py:decide_end "return _requeue(\"end.holder_gone\")" */
        if
        :: r == MARKED -> SPENT goto fail_ack /* end.marked: STORE_FAILURE */
        :: r == ALREADY -> SPENT goto end_before
@@ -82,7 +82,7 @@ end_mark:
  * died before storing it (decide._ended_before reads the backend first). */
 end_before:
   atomic {
-    /* @code celery_lease/decide.py:_ended_before "if s.own_state.status in (SUCCESS, FAILURE):" */
+    /* @code celery_lease/decide/finish.py:_ended_before "if s.own_state.status in (SUCCESS, FAILURE):" */
     if
     :: own = be_st[T]
     :: LOSSY; own = UNAVAIL
@@ -131,7 +131,7 @@ copy_of_accepted:
   :: r == NO -> SPENT nxt = N_ACK; goto release       /* accepted.swept */
   :: else -> skip
   fi;
-  /* @code celery_lease/decide.py:_accepted_redelivery "if s.own_state.status != SUCCESS:" */
+  /* @code celery_lease/decide/start.py:_accepted_redelivery "if s.own_state.status != SUCCESS:" */
   atomic { own = be_st[T] };
   if
   :: own == SUCCESS -> SPENT nxt = N_ACK; goto release /* accepted.present */
@@ -172,7 +172,7 @@ not_done:
     fi
   };
 #ifndef MUT_E
-  /* @code celery_lease/decide.py:decide_not_done "mine = True if newer is not None and newer.task_id == s.task_id else s.mine" */
+  /* @code celery_lease/decide/finish.py:decide_not_done "mine = True if newer is not None and newer.task_id == s.task_id else s.mine" */
   if
   :: nwt == T + 1 -> mine = YES; goto nd_decide
   :: else -> skip
@@ -187,10 +187,10 @@ not_done:
     printf("@ w%d not done: did T%d commit elsewhere? %d (0 no, 1 yes, 2 unreadable)\n", w, T, mine)
   };
 nd_decide:
-  /* @code celery_lease/decide.py:_leave_to_copy "if mine:" */
+  /* @code celery_lease/decide/finish.py:_leave_to_copy "if mine:" */
   if
   :: mine == YES ->
-     /* @code celery_lease/decide.py:_leave_to_copy "if own_state is not None and own_state.status != SUCCESS:" */
+     /* @code celery_lease/decide/finish.py:_leave_to_copy "if own_state is not None and own_state.status != SUCCESS:" */
      atomic { own = be_st[T] };
      if
      :: own != SUCCESS -> SPENT goto defer_out /* copy.unstored: DEFER */
@@ -203,20 +203,20 @@ nd_decide:
   :: else -> skip
   fi;
 #ifndef MUT_E
-  /* @code celery_lease/decide.py:_leave_to_copy "if mine is None or isinstance(holder, Failed):" */
+  /* @code celery_lease/decide/finish.py:_leave_to_copy "if mine is None or isinstance(holder, Failed):" */
   if
   :: mine == UNKNOWN || ht == H_FAILED -> SPENT goto defer_out /* copy.unreadable: DEFER */
   :: else -> skip
   fi;
 #endif
-  /* @code celery_lease/decide.py:decide_not_done "if newer is not None and s.token is not None and newer.token > s.token:" */
+  /* @code celery_lease/decide/finish.py:decide_not_done "if newer is not None and s.token is not None and newer.token > s.token:" */
   if
   :: nw > tok -> TO_END(E_NEWER) /* not_done.newer: STORE_FAILURE */
   :: else -> skip
   fi;
   if
   :: hl ->
-     /* @code celery_lease/decide.py:_finished_elsewhere "if newer is not None and newer.task_id == holder.task_id:" */
+     /* @code celery_lease/decide/finish.py:_finished_elsewhere "if newer is not None and newer.task_id == holder.task_id:" */
      if
      :: ht != 0 && nwt == ht -> SPENT goto defer_out /* not_done.holder_ended: REQUEUE */
      :: else -> skip
@@ -232,7 +232,7 @@ nd_decide:
      :: hc == YES -> SPENT goto defer_out /* not_done.holder_ended */
      :: else -> skip
      fi;
-     /* @code celery_lease/decide.py:_finished_elsewhere "return s.holder_state is not None and s.holder_state.lease_failure" */
+     /* @code celery_lease/decide/finish.py:_finished_elsewhere "return s.holder_state is not None and s.holder_state.lease_failure" */
      atomic { own = (ht != 0 -> be_st[ht - 1] : PENDING) };
      if
      :: own == FAILURE -> SPENT goto defer_out /* not_done.holder_ended */

@@ -1,6 +1,6 @@
 /*
  * A worker process: takes a copy of a task id from the broker and runs one
- * execution of it (celery_lease/execution.py, decided by decide.py), then
+ * execution of it (celery_lease/execution.py, decided by celery_lease/decide/), then
  * the next. Each step is one store or database call, or one write, made
  * atomic as the server makes it; between two steps any other process may
  * run any number of steps, and the store's clock may pass any expiry (the
@@ -127,7 +127,7 @@ claim:
        :: else -> tok = r; w_tok[w] = r; r = 0; goto granted
        fi
      };
-     /* @code celery_lease/decide.py:decide_claim "return Outcome(\"claim.retry\", Act.RETRY)" */
+     /* @code celery_lease/decide/start.py:decide_claim "return Outcome(\"claim.retry\", Act.RETRY)" */
      if
      :: goto claim
      :: goto store_down
@@ -138,7 +138,7 @@ claim:
  * this task id finished already. */
 store_down:
   atomic {
-    /* @code celery_lease/decide.py:_done "if c.commit and c.mine is UNREAD:" */
+    /* @code celery_lease/decide/start.py:_done "if c.commit and c.mine is UNREAD:" */
     if
     :: mine = (task_acc[T] != 0 -> YES : NO)
     :: LOSSY; mine = UNKNOWN
@@ -186,7 +186,7 @@ prepare:
   if
   :: r == STALE -> SPENT nxt = N_DEFER; goto release /* lookup.stale */
   :: r == UNAVAIL ->
-     /* @code celery_lease/decide.py:decide_lookup "return Outcome(\"lookup.retry\", Act.RETRY)" */
+     /* @code celery_lease/decide/start.py:decide_lookup "return Outcome(\"lookup.retry\", Act.RETRY)" */
      if
      :: !w_lapsed[w] -> goto prepare
      :: SPENT nxt = N_DEFER; goto release /* lookup.store_down */
@@ -203,7 +203,7 @@ prepare:
   /* @code celery_lease/reads.py:Reads._may_be_a_late_copy "return not _broker_marks_redeliveries(self.ex.app)" */
   if
   :: late ->
-     /* @code celery_lease/decide.py:decide_start "if s.own_state is not None and s.own_state.lease_failure:" */
+     /* @code celery_lease/decide/start.py:decide_start "if s.own_state is not None and s.own_state.lease_failure:" */
      atomic { own = be_st[T] };
      if
      :: own == FAILURE -> SPENT nxt = N_ACK; goto release /* start.ended: REJECT_ENDED */
@@ -211,7 +211,7 @@ prepare:
      fi
   :: else -> skip
   fi;
-  /* @code celery_lease/decide.py:decide_start "return Outcome(\"start.duplicate\", Act.DUPLICATE)" */
+  /* @code celery_lease/decide/start.py:decide_start "return Outcome(\"start.duplicate\", Act.DUPLICATE)" */
   if
   :: dup -> SPENT nxt = N_FAIL; goto release /* start.duplicate -> duplicate.reject */
   :: else -> skip

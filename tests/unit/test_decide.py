@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -913,8 +914,9 @@ def test_every_table_row_has_a_case() -> None:
 
 
 def test_every_row_a_decision_returns_is_in_the_table() -> None:
-    # Rows named in decide.py's code (Outcome("row", ...) and the re-queue helper).
-    with open(decide.__file__, encoding="utf-8") as f:
-        source = f.read()
+    # Rows named in the decisions' code (Outcome("row", ...) and the re-queue
+    # helper), in every module of the package.
+    package = Path(decide.__file__).parent
+    source = "".join(m.read_text(encoding="utf-8") for m in sorted(package.glob("*.py")))
     named = set(re.findall(r'(?:Outcome|_requeue)\(\s*"([a-z_]+\.[a-z_]+)"', source))
     assert named == set(table_rows())
