@@ -184,7 +184,7 @@ def _write(
     lines += [
         "| servers | "
         + (
-            "private, started by `tests/servers.py`: two Redis (broker; lease store and the "
+            "private, started by `tests/servers/`: two Redis (broker; lease store and the "
             "peers' locks), no persistence; one PostgreSQL cluster (fsync off, "
             "synchronous_commit on, pg_stat_statements)"
             if env.servers

@@ -28,7 +28,7 @@ def log(msg: str) -> None:
 class Env:
     """Where the benchmarks run: a broker Redis, a lease-store Redis, PostgreSQL, a tmpdir.
 
-    Private servers (started from ``tests/servers.py``) unless URLs were given.
+    Private servers (started from ``tests/servers/``) unless URLs were given.
     The broker and the lease store are separate Redis servers when private;
     with ``--redis-url`` they are separate database numbers of that server.
     """

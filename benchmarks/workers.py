@@ -298,7 +298,7 @@ class WorkerRun:
             app.close()
 
     def start(self) -> None:
-        from tests.servers import _spawn
+        from tests.servers import spawn
 
         argv = [
             sys.executable, "-m", "celery", "-A", "benchmarks.benchapp", "worker",
@@ -309,7 +309,7 @@ class WorkerRun:
         environ = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
         environ.update(PYTHONPATH=str(ROOT), **self.vars)
         with open(self.log_path, "ab") as fh:
-            self.proc = _spawn(argv, log=fh, env=environ, cwd=str(ROOT))
+            self.proc = spawn(argv, log=fh, env=environ, cwd=str(ROOT))
 
     def completed(self) -> int:
         total = 0

@@ -1,7 +1,7 @@
 """Private etcd clusters for the tests: three members on free loopback ports.
 
 Each member has its own data directory under the test session's temp dir,
-its own log, and is started with ``tests.servers._spawn`` (own process group,
+its own log, and is started with ``tests.servers.spawn`` (own process group,
 parent-death signal), so nothing outlives pytest. Readiness is polled against
 a deadline: every member answers ``/health`` with ``{"health": "true"}`` (a
 leader is elected and the member serves requests). Heartbeat 50 ms and
@@ -39,7 +39,7 @@ from typing import Any
 
 import pytest
 
-from tests.servers import LOOPBACK, _signal_group, _spawn, _tail, free_port, wait_for
+from tests.servers import LOOPBACK, free_port, log_tail, signal_group, spawn, wait_for
 
 __all__ = [
     "EtcdCluster",
@@ -148,7 +148,7 @@ class EtcdMember:
             ]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}
         with open(self.log_path, "ab") as log:
-            self.proc = _spawn(argv, log=log, env=env, cwd=str(self.data_dir.parent))
+            self.proc = spawn(argv, log=log, env=env, cwd=str(self.data_dir.parent))
 
     def healthy(self) -> bool:
         try:
@@ -171,7 +171,7 @@ class EtcdMember:
         """SIGKILL (a crash) and reap."""
         if self.proc is None:
             return
-        _signal_group(self.proc.pid, signal.SIGKILL)
+        signal_group(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
 
@@ -223,7 +223,7 @@ class EtcdCluster:
                 abort=self._exited,
             )
         except Exception as exc:  # noqa: BLE001 - re-raised with the members' logs
-            logs = "\n".join(_tail(m.log_path, lines=25) for m in self.members)
+            logs = "\n".join(log_tail(m.log_path, lines=25) for m in self.members)
             raise RuntimeError(f"{exc}\n{logs}") from None
 
     def _exited(self) -> str | None:
@@ -280,7 +280,7 @@ class EtcdCluster:
         shutil.rmtree(self.base, ignore_errors=True)
 
     def logs(self) -> str:
-        return "\n".join(_tail(m.log_path, lines=40) for m in self.members)
+        return "\n".join(log_tail(m.log_path, lines=40) for m in self.members)
 
 
 # --------------------------------------------------------------------------

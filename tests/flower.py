@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.servers import _signal_group, _spawn, free_port, wait_for
+from tests.servers import free_port, signal_group, spawn, wait_for
 from tests.workers import ROOT
 
 __all__ = ["Flower"]
@@ -42,7 +42,7 @@ class Flower:
             f"--port={self.port}", "--address=127.0.0.1",
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
-            self.proc = _spawn(argv, log=log, env=self.env, cwd=str(ROOT))
+            self.proc = spawn(argv, log=log, env=self.env, cwd=str(ROOT))
 
         def up() -> bool:
             try:
@@ -109,6 +109,6 @@ class Flower:
     def stop(self) -> None:
         if self.proc is None:
             return
-        _signal_group(self.proc.pid, signal.SIGKILL)
+        signal_group(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)

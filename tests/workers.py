@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from tests.servers import _signal_group, _spawn, wait_for
+from tests.servers import signal_group, spawn, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +64,7 @@ class Worker:
     def start(self, timeout: float = 60.0) -> Worker:
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._log = open(self.log_path, "ab")
-        self.proc = _spawn(self.argv, log=self._log, env=self.env, cwd=str(ROOT))
+        self.proc = spawn(self.argv, log=self._log, env=self.env, cwd=str(ROOT))
 
         def ready() -> bool:
             return " ready." in self.log_text(offset)
@@ -87,7 +87,7 @@ class Worker:
         """Start and wait for the worker to exit by itself (bad settings)."""
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._log = open(self.log_path, "ab")
-        self.proc = _spawn(self.argv, log=self._log, env=self.env, cwd=str(ROOT))
+        self.proc = spawn(self.argv, log=self._log, env=self.env, cwd=str(ROOT))
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -119,16 +119,16 @@ class Worker:
 
     def stop_group(self) -> None:
         """SIGSTOP the whole process group (main process and children)."""
-        _signal_group(self.pid, signal.SIGSTOP)
+        signal_group(self.pid, signal.SIGSTOP)
         wait_for(lambda: _state(self.pid) == "T", 10, f"{self.name} stopped")
 
     def cont_group(self) -> None:
-        _signal_group(self.pid, signal.SIGCONT)
+        signal_group(self.pid, signal.SIGCONT)
 
     def stop(self, timeout: float = 20.0) -> None:
         if not self.alive():
             return
-        _signal_group(self.pid, signal.SIGCONT)
+        signal_group(self.pid, signal.SIGCONT)
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout)
@@ -138,7 +138,7 @@ class Worker:
     def kill(self) -> None:
         if self.proc is None:
             return
-        _signal_group(self.pid, signal.SIGKILL)
+        signal_group(self.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
 

@@ -46,8 +46,8 @@ from tests.servers import (
     PostgresServer,
     RabbitMQServer,
     RedisServer,
-    _signal_group,
-    _spawn,
+    signal_group,
+    spawn,
     wait_for,
 )
 from tests.workers import Worker, _state
@@ -109,7 +109,7 @@ class ChaosWorker(Worker):
         self._log = open(self.log_path, "ab")
         self._log.write(f"\n=== chaos: launching {self.name} skew={skew or 'none'} ===\n".encode())
         self._log.flush()
-        self.proc = _spawn(self.argv, log=self._log, env=self.env, cwd=str(self._cwd()))
+        self.proc = spawn(self.argv, log=self._log, env=self.env, cwd=str(self._cwd()))
         self.launches += 1
 
     @staticmethod
@@ -145,7 +145,7 @@ class ChaosWorker(Worker):
         if not self.alive():
             self.kill()
             return
-        _signal_group(self.pid, signal.SIGCONT)
+        signal_group(self.pid, signal.SIGCONT)
         main = self.main_pid()
         with contextlib.suppress(ProcessLookupError):
             os.kill(main or self.pid, signal.SIGTERM)

@@ -1,4 +1,4 @@
-"""Tests of the test infrastructure itself (tests/servers.py, conftest)."""
+"""Tests of the test infrastructure itself (tests/servers/, conftest)."""
 # mypy: allow-untyped-calls
 
 from __future__ import annotations
