@@ -19,18 +19,12 @@ timing vary with the machine; the plan and the fault sequence do not).
 
 from __future__ import annotations
 
-import argparse
-import bisect
 import json
 import random
-import re
-import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,11 +32,10 @@ from typing import Any
 import redis
 from sqlalchemy import create_engine, text
 
-from tests.chaos import aof, backends, liveness, stacks
+from tests.chaos import aof, backends, stacks
 from tests.chaos.checker import (
     FINAL,
     Accepted,
-    Attempt,
     Backend,
     History,
     Protected,
@@ -51,9 +44,11 @@ from tests.chaos.checker import (
     check,
 )
 from tests.chaos.cluster import Cluster
-from tests.chaos.faults import KINDS, REDIS_STORE_KINDS, Injector
+from tests.chaos.faults import KINDS, Injector
+from tests.chaos.records import ClockMap, count_log_states, read_history
+from tests.chaos.table import format_table
 
-__all__ = ["Options", "RunResult", "main", "run"]
+__all__ = ["Options", "RunResult", "run"]
 
 
 @dataclass
@@ -490,213 +485,5 @@ class Run:
         return f
 
 
-class ClockMap:
-    """Real time from monotonic time, with the offset in force at that moment.
-
-    Samples ``time.time() - time.monotonic()`` every ``interval`` seconds from
-    a thread; :meth:`real` uses the last sample at or before the given
-    monotonic time (a step of the real-time clock moves the mapping within
-    ``interval`` of it).
-    """
-
-    def __init__(self, interval: float = 0.2) -> None:
-        self.interval = interval
-        self.samples: list[tuple[float, float]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="chaos-clock", daemon=True)
-        self._sample()
-
-    def _sample(self) -> None:
-        mono = time.monotonic()
-        self.samples.append((mono, time.time() - mono))
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._sample()
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5)
-        self._sample()
-
-    def real(self, mono: float) -> float:
-        i = bisect.bisect_right(self.samples, (mono, float("inf"))) - 1
-        return mono + self.samples[max(i, 0)][1]
-
-
-def read_history(
-    path: Path, real_time: Callable[[float], float]
-) -> tuple[list[Attempt], Counter[str]]:
-    """Attempts from the bodies' history file (``real_time`` maps their monotonic clock)."""
-    attempts: dict[str, Attempt] = {}
-    events: Counter[str] = Counter()
-    if not path.exists():
-        return [], events
-    for line in path.read_bytes().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a torn line of a killed process
-        ev = rec.get("ev")
-        events[ev] += 1
-        real = real_time(rec["mono"])
-        if ev == "start":
-            attempts[rec["attempt"]] = Attempt(
-                attempt=rec["attempt"],
-                task_id=rec["task_id"],
-                key=rec["key"],
-                token=int(rec["token"]),
-                acquired_at=float(rec["acquired_at"]),
-                start=real,
-                expires=float(rec["expires"]),
-                hostname=rec.get("host") or "",
-                pid=rec["pid"],
-                skew=rec.get("skew") or "",
-            )
-        elif ev in ("renewed", "end"):
-            a = attempts.get(rec["attempt"])
-            if a is None:
-                continue
-            a.expires = max(a.expires, float(rec["expires"]))
-            if ev == "end":
-                a.end = real
-                a.write = rec.get("write")
-    return list(attempts.values()), events
-
-
-_STATE_LINE = re.compile(r"\] (LEASE_DEFERRED|LEASE_REJECTED|FENCED|LEASE_LOST) [0-9a-f-]{36}")
-
-
-def count_log_states(logdir: Path) -> Counter[str]:
-    counts: Counter[str] = Counter()
-    for path in logdir.glob("worker-*.log"):
-        for m in _STATE_LINE.finditer(path.read_text(errors="replace")):
-            counts[m.group(1)] += 1
-    return counts
-
-
-def format_table(f: dict[str, Any], report: Report) -> str:
-    rows: list[tuple[str, str]] = [
-        ("broker", str(f["broker"])),
-        ("lease store", str(f["store"])),
-        ("result backend", str(f["backend"])),
-        (
-            "backend writes recorded (every write; with a token)",
-            f"{f['backend_writes']} ({f['backend_writes_tokened']})",
-        ),
-        ("seed", str(f["seed"])),
-        ("fault-injection duration (s)", str(f["duration_s"])),
-        ("workers", str(f["workers"])),
-        ("tasks", str(f["tasks"])),
-        ("keys", str(f["keys"])),
-        ("executions (bodies started)", str(f["executions"])),
-        ("deliveries run (task_prerun)", str(f["prerun"])),
-        ("accepted results", str(f["accepted"])),
-        ("task ids ended by celery-lease (end marks)", str(f["ended"])),
-        ("protected writes", str(f["protected_writes"])),
-        ("protected writes refused (fenced)", str(f["writes_refused"])),
-    ]
-    for kind, n in f["faults"].items():
-        rows.append((f"faults: {kind}", str(n)))
-    rows.append(("faults: total", str(f["faults_total"])))
-    if f["faults_failed"]:
-        rows.append(("faults that failed to apply", json.dumps(f["faults_failed"])))
-    rows += [
-        ("worker exits restarted by the supervisor", str(f["supervisor_restarts"])),
-        (
-            f"stalled workers restarted (no task started for {liveness.STALL:.0f} s, "
-            "queue held; stacks taken)",
-            str(f["liveness_restarts"]),
-        ),
-        ("publish retries (harness)", str(f["publish_retries"])),
-        ("deferrals (LEASE_DEFERRED)", str(f["deferrals"])),
-        ("rejections (LEASE_REJECTED)", str(f["rejections"])),
-        ("fenced commits (FENCED)", str(f["fenced_commits"])),
-        ("leases lost while running (LEASE_LOST)", str(f["leases_lost"])),
-    ]
-    if "broker_messages_lost" in f:
-        rows.append(("messages lost by the Redis transport (AOF)", str(f["broker_messages_lost"])))
-        rows.append(
-            (
-                "messages stranded by the transport (AOF: unacked, restorable ~1 h later)",
-                str(f["broker_messages_stranded"]),
-            )
-        )
-        rows.append(("broker AOF commands read", str(f["broker_aof_commands"])))
-    rows += [
-        ("lost tasks: plugin", str(f["lost_plugin"])),
-        ("lost tasks: broker transport", str(f["lost_broker"])),
-        ("settled (every task final, broker empty)", str(f["settled"])),
-        (
-            f"settle stalls (no task ended for {stacks.STALL:.0f} s, messages held; stacks taken)",
-            str(f["settle_stalls"]),
-        ),
-        ("violations", str(f["violations"])),
-    ]
-    for kind, n in sorted(f["violations_by_kind"].items()):
-        rows.append((f"violations: {kind}", str(n)))
-    width = max(len(r[0]) for r in rows)
-    vwidth = max(len(r[1]) for r in rows)
-    sep = f"+-{'-' * width}-+-{'-' * vwidth}-+"
-    lines = [sep] + [f"| {a.ljust(width)} | {b.rjust(vwidth)} |" for a, b in rows] + [sep]
-    if report.violations:
-        lines.append("violations:")
-        lines += [f"  {v}" for v in report.violations[:50]]
-        if len(report.violations) > 50:
-            lines.append(f"  ... and {len(report.violations) - 50} more (report.json)")
-    return "\n".join(lines)
-
-
 def run(opts: Options) -> RunResult:
     return Run(opts).execute()
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__.split("\n")[0])
-    p.add_argument("--duration", type=float, default=120.0, help="seconds of fault injection")
-    p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=2)
-    p.add_argument("--tasks", type=int, default=300)
-    p.add_argument("--keys", type=int, default=12)
-    p.add_argument("--broker", choices=("redis", "amqp"), default="redis")
-    p.add_argument(
-        "--backend", choices=("redis", "lease"), default="redis",
-        help="result backend: Celery's Redis backend, or lease+ the result database",
-    )  # fmt: skip
-    p.add_argument(
-        "--store", choices=("redis", "pg"), default="redis",
-        help="lease store: a Redis, or the result database (Redis store faults left out)",
-    )  # fmt: skip
-    p.add_argument("--ttl", type=float, default=4.0, help="lease TTL (s)")
-    p.add_argument("--vt", type=float, default=10.0, help="Redis visibility_timeout (s)")
-    p.add_argument("--fault-rate", type=float, default=0.2, help="faults per second")
-    p.add_argument("--settle", type=float, default=240.0, help="max seconds to settle")
-    p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated")
-    p.add_argument("--workdir", type=Path, default=None)
-    p.add_argument("--quiet", action="store_true")
-    a = p.parse_args(argv)
-    kinds = tuple(k for k in a.kinds.split(",") if k)
-    if a.store == "pg":
-        kinds = tuple(k for k in kinds if k not in REDIS_STORE_KINDS)
-    unknown = set(kinds) - set(KINDS)
-    if unknown:
-        p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
-    opts = Options(
-        duration=a.duration, seed=a.seed, workers=a.workers, concurrency=a.concurrency,
-        tasks=a.tasks, keys=a.keys, broker=a.broker, backend=a.backend, store=a.store,
-        ttl=a.ttl, vt=a.vt, fault_rate=a.fault_rate, settle=a.settle, kinds=kinds,
-        workdir=a.workdir, quiet=a.quiet,
-    )  # fmt: skip
-    result = run(opts)
-    print(result.table)
-    print(f"wall time {result.wall:.0f}s; records in {result.workdir}")
-    return 0 if result.ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

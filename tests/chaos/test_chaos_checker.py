@@ -484,7 +484,7 @@ def test_the_clock_map_follows_a_step_of_the_real_time_clock() -> None:
     after the step must be placed with the new offset, bodies before it with
     the old one (one offset taken at the start made 734 spurious stale_write
     violations out of a correct run)."""
-    from tests.chaos.runner import ClockMap
+    from tests.chaos.records import ClockMap
 
     clock = ClockMap()
     clock.samples = [(100.0, 1_000.0), (200.0, 1_015.0)]
