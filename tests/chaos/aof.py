@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["BrokerLog", "Message", "analyze", "aof_files", "read_commands"]
+__all__ = ["BrokerLog", "Message", "analyze", "aof_files", "rdb_is_empty", "read_commands"]
 
 UNACKED = b"unacked"
 
@@ -110,9 +110,65 @@ def _base_is_empty(path: Path) -> bool:
         return True
     data = path.read_bytes()
     if data.startswith(b"REDIS"):
-        # An RDB preamble: empty when it holds no key (no SELECTDB opcode 0xFE).
-        return b"\xfe" not in data[9:-9]
+        return rdb_is_empty(data)
     return not data.strip()
+
+
+_AUX, _EOF = 0xFA, 0xFF
+
+
+def rdb_is_empty(data: bytes) -> bool:
+    """True when the RDB ``data`` (an AOF base's preamble) holds no key.
+
+    Read opcode by opcode: the header, auxiliary fields (``redis-ver``,
+    ``ctime``, ``used-mem``, ...), then EOF. The auxiliary values include the
+    server's clock and memory as binary integers, so any byte can appear among
+    them; only parsing tells a field from a SELECTDB. Anything else before EOF
+    (a database, a function, a module's data) or a file cut short is "not
+    empty": the replay then proves nothing rather than something false.
+    """
+    pos = 9  # b"REDIS" and four version digits
+    try:
+        while data[pos] == _AUX:
+            pos = _skip_string(data, _skip_string(data, pos + 1))
+        return data[pos] == _EOF
+    except IndexError:
+        return False
+
+
+def _length(data: bytes, pos: int) -> tuple[int, int, bool]:
+    """The RDB length at ``pos``: (value, position after it, whether it is a
+    special encoding, whose value is then the encoding's number)."""
+    first = data[pos]
+    kind, low = first >> 6, first & 0x3F
+    if kind == 0:
+        return low, pos + 1, False
+    if kind == 1:
+        return low << 8 | data[pos + 1], pos + 2, False
+    if kind == 3:
+        return low, pos + 1, True
+    width = {0x80: 4, 0x81: 8}.get(first)
+    if width is None:
+        raise IndexError(f"unknown RDB length byte {first:#x}")
+    return int.from_bytes(data[pos + 1 : pos + 1 + width], "big"), pos + 1 + width, False
+
+
+def _skip_string(data: bytes, pos: int) -> int:
+    """The position after the RDB string at ``pos``: length-prefixed bytes, an
+    int8/16/32, or LZF (compressed length, uncompressed length, the bytes)."""
+    value, pos, special = _length(data, pos)
+    if not special:
+        end = pos + value
+    elif value in (0, 1, 2):
+        end = pos + (1, 2, 4)[value]
+    elif value == 3:
+        compressed, pos, _ = _length(data, pos)
+        end = _length(data, pos)[1] + compressed
+    else:
+        raise IndexError(f"unknown RDB string encoding {value}")
+    if end > len(data):
+        raise IndexError("RDB string runs past the end")
+    return end
 
 
 def read_commands(path: Path) -> Iterator[list[bytes]]:

@@ -57,6 +57,10 @@ def format_table(f: dict[str, Any], report: Report) -> str:
             )
         )
         rows.append(("broker AOF commands read", str(f["broker_aof_commands"])))
+        # Without the whole history the replay proves no loss, and a task the
+        # transport lost counts as lost by the plugin: say which it was.
+        rows.append(("broker AOF replay complete (proves transport losses)",
+                     str(f["broker_aof_complete"])))  # fmt: skip
     rows += [
         ("lost tasks: plugin", str(f["lost_plugin"])),
         ("lost tasks: broker transport", str(f["lost_broker"])),
