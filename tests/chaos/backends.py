@@ -22,7 +22,7 @@ from typing import Any
 import redis
 from sqlalchemy import create_engine, text
 
-from tests.chaos.checker import Backend
+from tests.chaos.history import Backend
 
 __all__ = [
     "META_HISTORY_DDL",

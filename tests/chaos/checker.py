@@ -1,33 +1,8 @@
 """The chaos suite's checker: the invariants of DESIGN.md, decided from independent records.
 
-Inputs (all plain data, so the checker is tested on hand-made histories in
-``tests/chaos/test_chaos_checker.py``):
-
-* **submissions** -- what the harness published: task id, key, policy
-  (``exclusive``, ``once``, ``once_return``);
-* **attempts** -- one per task body that started, from the history file the
-  task bodies append to (fsync'd, outside the plugin): task id, key, token,
-  the grant's store time (``acquired_at``), the body's start and end in real
-  time (the harness machine's clock, derived from ``CLOCK_MONOTONIC``, which
-  libfaketime does not skew), the newest lease expiry (store time) the body
-  saw confirmed by the grant or a renewal, and the outcome of its guarded
-  write;
-* **accepted** -- the rows of ``celery_lease_results`` (key, token, task id,
-  ``accepted_at`` in the database's clock, the accepted value);
-* **protected** -- the rows of the task bodies' own ``chaos_protected`` table,
-  each written through ``celery_lease.fencing.guard(conn, key, token)``
-  (``written_at`` in the database's clock, taken while the guard holds the
-  key's fence row);
-* **backend** -- each task id's state in the Celery result backend (and, for
-  ``FAILURE``, the exception's type and arguments; for ``SUCCESS``, the value);
-* **transport_lost** -- task ids of which the broker transport itself lost a
-  message, proven from the Redis broker's append-only file
-  (:mod:`tests.chaos.aof`): popped from a queue and never recorded as unacked.
-
-Every clock involved (Redis ``TIME``, PostgreSQL ``clock_timestamp()``, the
-harness's ``time.time()``) is the same machine's ``CLOCK_REALTIME``; worker
-wall clocks (possibly skewed by libfaketime) are never used. ``EPS`` absorbs
-the conversion between ``CLOCK_MONOTONIC`` and ``CLOCK_REALTIME``.
+Inputs: the records of :mod:`tests.chaos.history`, which says what each
+holds and where it comes from. Every time compared is the same machine's
+real-time clock; ``EPS`` is the tolerance (the history module says why).
 
 Definitions (the violation kinds it reports):
 
@@ -118,9 +93,31 @@ import itertools
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
+from tests.chaos.backend_checks import (
+    check_accepted_outcome,
+    check_backend,
+    check_backend_history,
+    check_backend_tokens,
+    check_ended,
+)
+from tests.chaos.history import (
+    EPS,
+    FINAL,
+    UNKNOWN,
+    Accepted,
+    Attempt,
+    Backend,
+    History,
+    Protected,
+    Report,
+    Submission,
+    Violation,
+)
+
+# The record types are re-exported: the runner and the tests build histories
+# from this module's names.
 __all__ = [
     "EPS",
     "FINAL",
@@ -135,126 +132,6 @@ __all__ = [
     "Violation",
     "check",
 ]
-
-#: Seconds of tolerance between clocks of one machine (monotonic vs real time).
-EPS = 0.05
-FINAL = ("SUCCESS", "FAILURE")
-LEASE_ERRORS = ("StaleFencingToken", "LeaseLost")
-
-
-class _Unknown:
-    def __repr__(self) -> str:
-        return "UNKNOWN"
-
-
-#: a value the records do not hold (not compared)
-UNKNOWN: Any = _Unknown()
-
-
-@dataclass(frozen=True)
-class Submission:
-    task_id: str
-    key: str
-    policy: str  # exclusive | once | once_return
-
-    @property
-    def mode(self) -> str:
-        return "exclusive" if self.policy == "exclusive" else "once"
-
-
-@dataclass
-class Attempt:
-    attempt: str
-    task_id: str
-    key: str
-    token: int
-    acquired_at: float
-    start: float
-    end: float | None = None
-    expires: float = 0.0
-    write: str | None = None  # ok | refused | error | None (never reached)
-    hostname: str = ""
-    pid: int = 0
-    skew: str = ""
-
-    @property
-    def valid_lb(self) -> float:
-        """Until when (store time) this grant was provably valid."""
-        return min(self.expires, self.end) if self.end is not None else self.expires
-
-
-@dataclass(frozen=True)
-class Accepted:
-    key: str
-    token: int
-    task_id: str | None
-    accepted_at: float
-    id: int = 0
-    value: Any = field(default=UNKNOWN, compare=False)
-
-
-@dataclass(frozen=True)
-class Protected:
-    key: str
-    token: int
-    task_id: str | None
-    written_at: float
-    id: int = 0
-
-
-@dataclass(frozen=True)
-class Backend:
-    state: str
-    exc_type: str | None = None
-    exc_args: tuple[Any, ...] = ()
-    #: the stored value of a ``SUCCESS``
-    result: Any = field(default=UNKNOWN, compare=False)
-    #: the writer's lease token and the write's database time, where the
-    #: backend records them (the ``lease`` backend's history); None: unknown
-    token: int | None = field(default=None, compare=False)
-    written_at: float | None = field(default=None, compare=False)
-
-
-@dataclass(frozen=True)
-class Violation:
-    kind: str
-    key: str | None
-    detail: str
-
-    def __str__(self) -> str:
-        where = f" [{self.key}]" if self.key else ""
-        return f"{self.kind}{where}: {self.detail}"
-
-
-@dataclass
-class History:
-    submissions: list[Submission]
-    attempts: list[Attempt]
-    accepted: list[Accepted]
-    protected: list[Protected]
-    backend: dict[str, Backend]
-    transport_lost: dict[str, str] = field(default_factory=dict)
-    broker: str = "redis"
-    #: every state the backend stored per task id, in order (None: not observed)
-    backend_history: dict[str, list[Backend]] | None = None
-    #: the end marks, task id -> the token that ended it
-    ended: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class Report:
-    violations: list[Violation]
-    lost_plugin: list[str]
-    lost_broker: list[str]
-    lost_keys_broker: list[str]
-    figures: dict[str, Any]
-
-    @property
-    def ok(self) -> bool:
-        return not self.violations and not self.lost_plugin
-
-    def by_kind(self) -> Counter[str]:
-        return Counter(v.kind for v in self.violations)
 
 
 def check(h: History) -> Report:
@@ -336,12 +213,12 @@ def check(h: History) -> Report:
             lost_keys_broker.append(key)
             continue
         out.append(Violation("lost_key", key, f"no accepted result for {len(tasks)} task(s)"))
-    out += _check_accepted_outcome(h, accepted_by_key)
-    out += _check_ended(h, subs)
-    out += _check_backend(h, subs, accepted_by_key, attempts_by_key)
+    out += check_accepted_outcome(h, accepted_by_key)
+    out += check_ended(h, subs)
+    out += check_backend(h, subs, accepted_by_key, attempts_by_key)
     if h.backend_history is not None:
-        out += _check_backend_history(h, subs)
-        out += _check_backend_tokens(h, subs)
+        out += check_backend_history(h, subs)
+        out += check_backend_tokens(h, subs)
 
     figures = {
         "tasks": len(h.submissions),
@@ -494,201 +371,3 @@ def _check_phantoms(
                 )
             )
     return out
-
-
-def _check_backend(
-    h: History,
-    subs: Mapping[str, Submission],
-    accepted_by_key: Mapping[str, list[Accepted]],
-    attempts_by_key: Mapping[str, list[Attempt]],
-) -> list[Violation]:
-    out = []
-    rows_by_task: dict[str, list[Accepted]] = defaultdict(list)
-    accepted_tokens = {(r.key, r.token) for r in h.accepted}
-    for r in h.accepted:
-        if r.task_id:
-            rows_by_task[r.task_id].append(r)
-    for s in h.submissions:
-        b = h.backend.get(s.task_id)
-        rows = rows_by_task.get(s.task_id, [])
-        if b is None or b.state not in FINAL:
-            continue
-        key_rows = accepted_by_key.get(s.key, [])
-        if b.state == "SUCCESS":
-            if not rows and not (s.policy == "once_return" and key_rows):
-                out.append(
-                    Violation(
-                        "backend",
-                        s.key,
-                        f"task {s.task_id} is SUCCESS without an accepted result",
-                    )
-                )
-            continue
-        if b.exc_type == "StaleFencingToken":
-            token = _int(b.exc_args[1]) if len(b.exc_args) > 1 else None
-            if token is not None and (s.key, token) in accepted_tokens:
-                out.append(
-                    Violation(
-                        "backend",
-                        s.key,
-                        f"task {s.task_id} is FAILURE StaleFencingToken (token {token}) but "
-                        "that token's result was accepted",
-                    )
-                )
-        if b.exc_type in LEASE_ERRORS:
-            mine = [a.token for a in attempts_by_key.get(s.key, []) if a.task_id == s.task_id]
-            token = max(mine) if mine else None
-            if b.exc_type == "StaleFencingToken" and len(b.exc_args) > 1:
-                token = _int(b.exc_args[1])
-            if s.mode == "once":
-                superseded = bool(key_rows)
-            else:
-                superseded = token is not None and any(r.token > token for r in key_rows)
-            if not superseded:
-                out.append(
-                    Violation(
-                        "lost_work",
-                        s.key,
-                        f"task {s.task_id} ended FAILURE {b.exc_type} (token {token}) and no "
-                        "newer result was accepted for its key",
-                    )
-                )
-        elif b.exc_type == "DuplicateResult" and s.mode == "once":
-            pass
-        else:
-            out.append(
-                Violation(
-                    "unexpected_failure",
-                    s.key,
-                    f"task {s.task_id} ended FAILURE {b.exc_type}{b.exc_args!r}",
-                )
-            )
-    return out
-
-
-def _check_accepted_outcome(
-    h: History, accepted_by_key: Mapping[str, list[Accepted]]
-) -> list[Violation]:
-    out = []
-    rows_by_task: dict[str, list[Accepted]] = defaultdict(list)
-    for r in h.accepted:
-        if r.task_id:
-            rows_by_task[r.task_id].append(r)
-    for s in h.submissions:
-        b = h.backend.get(s.task_id)
-        rows = rows_by_task.get(s.task_id)
-        if rows:
-            row = max(rows, key=lambda r: r.token)
-            what = "its own accepted result"
-        elif s.policy == "once_return" and b is not None and b.state == "SUCCESS":
-            key_rows = accepted_by_key.get(s.key)
-            if not key_rows:
-                continue  # SUCCESS without a result: the backend check says so
-            row = max(key_rows, key=lambda r: r.token)
-            what = f"its key's accepted result (a duplicate of {row.task_id})"
-        else:
-            continue
-        if b is None or b.state != "SUCCESS":
-            unfinished = b is None or b.state not in FINAL
-            if unfinished and s.task_id in h.transport_lost and h.broker == "redis":
-                # The copy that would have stored SUCCESS (a redelivery, or the
-                # deferral of one) was lost by the Redis transport itself, as
-                # the AOF proves: counted with lost_broker, as for lost_task.
-                continue
-            state = b.state if b else "no state (PENDING)"
-            if b is not None and b.exc_type:
-                state = f"{state} {b.exc_type}{b.exc_args!r}"
-            out.append(
-                Violation(
-                    "accepted_outcome",
-                    s.key,
-                    f"task {s.task_id} has an accepted result (token {row.token}) but the "
-                    f"backend says {state}",
-                )
-            )
-        elif UNKNOWN not in (b.result, row.value) and b.result != row.value:
-            out.append(
-                Violation(
-                    "accepted_outcome",
-                    s.key,
-                    f"task {s.task_id} is SUCCESS with {b.result!r}, not {what} "
-                    f"(token {row.token}): {row.value!r}",
-                )
-            )
-    return out
-
-
-def _check_ended(h: History, subs: Mapping[str, Submission]) -> list[Violation]:
-    out = []
-    accepted = {r.task_id: r for r in h.accepted if r.task_id}
-    for task_id, token in sorted(h.ended.items()):
-        key = subs[task_id].key if task_id in subs else None
-        row = accepted.get(task_id)
-        if row is not None:
-            out.append(Violation("ended_accept", key, (
-                f"task {task_id} was ended by token {token} and has an accepted row "
-                f"(token {row.token})"
-            )))  # fmt: skip
-        b = h.backend.get(task_id)
-        if b is not None and b.state != "FAILURE":
-            out.append(Violation("ended_outcome", key, (
-                f"task {task_id} was ended by token {token} but is {b.state} in the backend"
-            )))  # fmt: skip
-    return out
-
-
-def _check_backend_history(h: History, subs: Mapping[str, Submission]) -> list[Violation]:
-    out = []
-    assert h.backend_history is not None
-    for task_id, states in h.backend_history.items():
-        final = [b for b in states if b.state in FINAL]
-        if not final:
-            continue
-        first = final[0]
-        changed = [b for b in final[1:] if (b.state, b.exc_type) != (first.state, first.exc_type)]
-        if changed:
-            key = subs[task_id].key if task_id in subs else None
-            seq = " -> ".join(f"{b.state}{f' {b.exc_type}' if b.exc_type else ''}" for b in final)
-            out.append(
-                Violation("backend_flip", key, f"task {task_id}: final state changed: {seq}")
-            )
-    return out
-
-
-def _check_backend_tokens(h: History, subs: Mapping[str, Submission]) -> list[Violation]:
-    assert h.backend_history is not None
-    grants: dict[str, list[Attempt]] = defaultdict(list)
-    for a in h.attempts:
-        grants[a.task_id].append(a)
-    out = []
-    for task_id, writes in h.backend_history.items():
-        key = subs[task_id].key if task_id in subs else None
-        newest: Backend | None = None
-        for w in writes:
-            if w.token is None:
-                continue
-            if newest is not None and newest.token is not None and w.token < newest.token:
-                out.append(Violation("stale_backend_write", key, (
-                    f"task {task_id}: {w.state} by token {w.token} after "
-                    f"{newest.state} by token {newest.token}")))  # fmt: skip
-            newer = [
-                a for a in grants[task_id]
-                if a.token > w.token and w.written_at is not None
-                and w.written_at > a.acquired_at + EPS
-            ]  # fmt: skip
-            if newer:
-                first = min(newer, key=lambda a: a.acquired_at)
-                out.append(Violation("stale_backend_write", key, (
-                    f"task {task_id}: {w.state} by token {w.token} written at "
-                    f"{w.written_at:.3f}, after token {first.token} of the same task id "
-                    f"was granted at {first.acquired_at:.3f}")))  # fmt: skip
-            if newest is None or (newest.token or 0) <= w.token:
-                newest = w
-    return out
-
-
-def _int(v: Any) -> int | None:
-    try:
-        return int(v)
-    except (TypeError, ValueError):
-        return None

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.chaos.checker import Attempt
+from tests.chaos.history import Attempt
 
 
 class ClockMap:

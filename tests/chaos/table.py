@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from tests.chaos import liveness, stacks
-from tests.chaos.checker import Report
+from tests.chaos.history import Report
 
 
 def format_table(f: dict[str, Any], report: Report) -> str:
