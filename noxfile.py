@@ -31,6 +31,7 @@ DEFAULT_TESTS = [
     "tests/contract/test_result_backend.py",
     "tests/acceptance/test_settings.py",
     "tests/acceptance/test_task_acceptance.py",
+    "tests/acceptance/test_task_basics.py",
 ]
 
 #: the short oldest-supported run of .ci/run (nox -s oldest)

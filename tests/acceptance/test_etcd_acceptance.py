@@ -11,7 +11,7 @@
    new owner's result stands; a SIGKILLed prefork child's work is redone with a
    newer token and exactly one result is accepted.
 
-The helpers and the worker cluster are those of tests/acceptance/test_task_acceptance.py
+The helpers and the worker cluster are those of tests/acceptance/lease_cluster.py
 (there with Redis and PostgreSQL lease stores).
 """
 
@@ -25,7 +25,7 @@ import pytest
 import celery_lease
 from celery_lease import DuplicateResult, Lease, LeaseStore, StaleFencingToken
 from celery_lease.results import MODES, ResultTable
-from tests.acceptance.test_task_acceptance import (
+from tests.acceptance.lease_cluster import (
     Cluster,
     backend_state,
     gone,

@@ -29,7 +29,7 @@ import pytest
 import celery_lease
 from celery_lease import StaleFencingToken
 from celery_lease.results import ResultTable
-from tests.acceptance.test_task_acceptance import (
+from tests.acceptance.lease_cluster import (
     Cluster,
     backend_state,
     gone,

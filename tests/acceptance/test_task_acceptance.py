@@ -1,11 +1,9 @@
 """``LeasedTask`` end to end: real ``celery worker`` processes, real servers, real faults.
 
-Every test runs workers of ``tests/apps/leaseapp.py`` in subprocesses (prefork,
-``acks_late``, ``task_reject_on_worker_lost``) against a private Redis broker and
-result backend, a lease store (Redis or PostgreSQL) and the fenced result table
-in PostgreSQL. Task bodies write an independent, fsync'd execution log (one
-``start`` and one ``end`` line per body, with task id, token, pid, hostname),
-so executions are counted without trusting the plugin's own tables.
+Every test runs a cluster of :mod:`tests.acceptance.lease_cluster` (real
+workers, a private Redis, a lease store, the fenced result table), which
+counts executions from the bodies' own log. The basics (conflict policies,
+``once``, lock-only, retry) are in ``test_task_basics.py``.
 
 Each fault test first proves that the fault really happened (a process in
 state ``T`` after SIGSTOP, a lease that really expired in store time, a child
@@ -27,9 +25,6 @@ deadline; nothing sleeps to synchronise.
    And a copy of the task id that claims while the owner's commit is still in
    flight (lease released in Redis, result row not yet committed in PostgreSQL)
    must see that commit and not run again.
-4. Basics: conflict policies (defer, reject), ``once`` duplicates (reject,
-   return), a late redelivery of an accepted task id, ``lease_commit=False``, a
-   non-JSON return value, ``self.retry()``.
 
 Backend states are read uncached (``get_task_meta(cache=False)``): a client's
 ``AsyncResult`` keeps the first final state it saw.
@@ -37,17 +32,11 @@ Backend states are read uncached (``get_task_meta(cache=False)``): a client's
 
 from __future__ import annotations
 
-import gc
-import json
-import os
-import signal
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import kombu
 import pytest
@@ -55,17 +44,19 @@ from sqlalchemy import Engine, create_engine, text
 
 import celery_lease
 from celery_lease import (
-    DuplicateResult,
-    LeaseNotAcquired,
-    LeaseRecord,
-    LeaseStore,
-    ResultNotSerializable,
     StaleFencingToken,
 )
-from celery_lease.results import ResultTable
-from tests.apps.leaseapp import build
-from tests.servers import RedisServer, wait_for
-from tests.workers import Worker, _state, read_log
+from tests.acceptance.lease_cluster import (
+    TTL,
+    Cluster,
+    backend_state,
+    in_log,
+    kill_child,
+    lapsed,
+    new_key,
+)
+from tests.servers import wait_for
+from tests.workers import _state
 
 #: The two visibility-timeout tests need the broker to restore the unacked
 #: message while its owner still runs. kombu 5.7 restores on the transport
@@ -78,186 +69,6 @@ needs_prompt_restore = pytest.mark.skipif(
 )
 
 pytestmark = pytest.mark.timeout(120)
-
-#: Lease TTL of the fault tests (seconds): short, so leases lapse quickly.
-TTL = 2.0
-
-
-# --------------------------------------------------------------------------
-# the cluster of one test: servers, client app, workers, logs
-# --------------------------------------------------------------------------
-
-
-class Cluster:
-    """Broker + backend + lease store + result table + execution log + workers."""
-
-    def __init__(
-        self,
-        logdir: Path,
-        *,
-        broker: str,
-        backend: str,
-        store_url: str,
-        results_url: str,
-        ttl: float,
-        vt: float | None = None,
-        store_options: dict[str, Any] | None = None,
-        settings: dict[str, Any] | None = None,
-    ) -> None:
-        self.logdir = logdir
-        self.store_url = store_url
-        self.store_options = store_options or {}
-        self.results_url = results_url
-        self.ttl = ttl
-        self.exec_log = logdir / f"exec-{uuid.uuid4().hex[:8]}.log"
-        self.env = {
-            "CL_BROKER": broker,
-            "CL_BACKEND": backend,
-            "CL_STORE": store_url,
-            "CL_RESULTS": results_url,
-            "CL_TTL": str(ttl),
-            "CL_LOG": str(self.exec_log),
-        }
-        if vt is not None:
-            self.env["CL_VT"] = str(vt)
-        conf = dict(settings or {})
-        if self.store_options:
-            conf["lease_store_options"] = self.store_options
-        if conf:
-            self.env["CL_SETTINGS"] = json.dumps(conf)
-        self.app, self.tasks = build(self.env)
-        self.workers: list[Worker] = []
-        self._store: LeaseStore | None = None
-        self._table: ResultTable | None = None
-
-    # -- workers ---------------------------------------------------------
-
-    def worker(self, name: str, *, queue: str | None = None, concurrency: int = 1) -> Worker:
-        extra = ("-Q", queue) if queue else ()
-        w = Worker(name, self.env, self.logdir, concurrency=concurrency, extra_args=extra)
-        self.workers.append(w)
-        return w
-
-    def start(self, *workers: Worker) -> None:
-        """Start the workers side by side (each waits for its own "ready")."""
-        with ThreadPoolExecutor(len(workers)) as pool:
-            list(pool.map(lambda w: w.start(), workers))
-
-    def close(self) -> None:
-        for w in self.workers:
-            w.kill()
-        # Drop the test's AsyncResults while the backend still answers: their
-        # __del__ unsubscribes from it.
-        gc.collect()
-        self.app.close()
-
-    # -- the lease store and the result table, as a client sees them -------
-
-    @property
-    def store(self) -> LeaseStore:
-        if self._store is None:
-            self._store = LeaseStore.from_url(self.store_url, **self.store_options)
-        return self._store
-
-    @property
-    def table(self) -> ResultTable:
-        if self._table is None:
-            self._table = ResultTable(self.results_url)
-        return self._table
-
-    # -- the execution log ---------------------------------------------------
-
-    def rows(self, event: str, task_id: str) -> list[dict[str, Any]]:
-        return [
-            r for r in read_log(self.exec_log) if r["event"] == event and r["task_id"] == task_id
-        ]
-
-    def starts(self, task_id: str) -> list[dict[str, Any]]:
-        return self.rows("start", task_id)
-
-    def ends(self, task_id: str) -> list[dict[str, Any]]:
-        return self.rows("end", task_id)
-
-    def wait_start(self, task_id: str, n: int = 1, timeout: float = 20.0) -> dict[str, Any]:
-        """The ``n``-th body start of ``task_id`` (waits for it)."""
-        rows = wait_for(
-            lambda: (lambda s: s if len(s) >= n else None)(self.starts(task_id)),
-            timeout,
-            f"body start #{n} of {task_id}",
-        )
-        return rows[n - 1]
-
-    def worker_logs(self) -> str:
-        return "".join(w.log_text() for w in self.workers)
-
-
-@pytest.fixture(scope="module")
-def pg_results(pg_url: str) -> str:
-    """The module's PostgreSQL database with celery-lease's tables."""
-    celery_lease.migrate(pg_url)
-    return pg_url
-
-
-@pytest.fixture
-def make_cluster(
-    tmp_path: Path, make_redis_server: Callable[..., RedisServer], pg_results: str
-) -> Iterator[Callable[..., Cluster]]:
-    """``make_cluster(store="redis"|"pg", ttl=, vt=, results_url=)``: a private Redis
-    (broker db 0, backend db 1, lease store db 2 when ``store="redis"``), results in
-    PostgreSQL (or ``results_url``); every worker is killed after the test."""
-    made: list[Cluster] = []
-
-    def make(
-        store: str = "redis",
-        *,
-        ttl: float = TTL,
-        vt: float | None = None,
-        results_url: str | None = None,
-    ) -> Cluster:
-        redis = make_redis_server(appendonly=False)
-        cluster = Cluster(
-            tmp_path,
-            broker=redis.url(0),
-            backend=redis.url(1),
-            store_url=redis.url(2) if store == "redis" else pg_results,
-            results_url=results_url or pg_results,
-            ttl=ttl,
-            vt=vt,
-        )
-        made.append(cluster)
-        return cluster
-
-    yield make
-    for cluster in made:
-        cluster.close()
-
-
-def new_key(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:12]}"
-
-
-def lapsed(store: LeaseStore, key: str) -> LeaseRecord | None:
-    """The key's record once no live lease holds it (expired in store time)."""
-    rec = store.inspect(key)
-    return rec if rec is not None and not rec.live else None
-
-
-def gone(pid: int) -> bool:
-    """True once ``pid`` exited and was reaped (no /proc entry) or is a zombie."""
-    return _state(pid) in ("?", "Z")
-
-
-def backend_state(c: Cluster, task_id: str) -> tuple[str, Any]:
-    """State and result of ``task_id`` as the result backend holds it now (not cached)."""
-    meta = c.app.backend.get_task_meta(task_id, cache=False)
-    result = meta.get("result")
-    if meta.get("status") == "FAILURE":
-        result = c.app.backend.exception_to_python(result)
-    return meta.get("status"), result
-
-
-def in_log(worker: Worker, text: str) -> Callable[[], bool]:
-    return lambda: text in worker.log_text()
 
 
 # --------------------------------------------------------------------------
@@ -393,16 +204,6 @@ def test_visibility_timeout_redelivery_is_deferred_and_the_body_runs_once(
 # --------------------------------------------------------------------------
 # 3. SIGKILL of the prefork child running the task
 # --------------------------------------------------------------------------
-
-
-def kill_child(worker: Worker, pid: int) -> float:
-    """SIGKILL ``pid`` (a prefork child of ``worker``); returns when it is proven dead."""
-    assert pid in worker.children(), f"{pid} is not a child of {worker.name}"
-    os.kill(pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    wait_for(lambda: gone(pid) and pid not in worker.children(), 10, f"child {pid} to die")
-    wait_for(in_log(worker, "signal 9 (SIGKILL)"), 10, f"{worker.name} to notice the lost child")
-    return killed_at
 
 
 def test_sigkill_of_the_child_redoes_the_work_with_a_newer_token(
@@ -679,163 +480,3 @@ def test_a_commit_waiting_on_the_result_database_past_the_ttl_keeps_its_lease(
     assert "FENCED" not in logs and "LEASE_LOST" not in logs, logs[-3000:]
     rec = c.store.inspect(key)
     assert rec is None or not rec.live, "the commit did not release the lease"
-
-
-# --------------------------------------------------------------------------
-# 4. basics: one worker (2 children) shared by the module, Redis store, PG results
-# --------------------------------------------------------------------------
-
-#: databases of the session's Redis used by the basics cluster (broker, backend, store)
-BASICS_DBS = (61, 62, 63)
-
-
-@pytest.fixture(scope="module")
-def basics(
-    redis_server: RedisServer, pg_results: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[Cluster, Worker]]:
-    redis_server.ensure_running()
-    for db in BASICS_DBS:
-        redis_server.flushdb(db)
-    broker, backend, store = (redis_server.url(db) for db in BASICS_DBS)
-    c = Cluster(
-        tmp_path_factory.mktemp("basics"),
-        broker=broker,
-        backend=backend,
-        store_url=store,
-        results_url=pg_results,
-        ttl=TTL,
-    )
-    w = c.worker("basics", concurrency=2)
-    try:
-        c.start(w)
-        yield c, w
-    finally:
-        c.close()
-
-
-def test_conflict_defer_runs_after_the_holder_with_a_larger_token(
-    basics: tuple[Cluster, Worker],
-) -> None:
-    c, w = basics
-    key = new_key("defer")
-    t1 = c.tasks.work.apply_async((key,), {"sleep": 1.5, "tag": "first"})
-    c.wait_start(t1.id)
-    t2 = c.tasks.work.apply_async((key,), {"tag": "second"})
-    wait_for(in_log(w, f"LEASE_DEFERRED {t2.id}"), 10, "the second submission to be deferred")
-    v1 = t1.get(timeout=20)
-    v2 = t2.get(timeout=20)
-    assert v2["token"] > v1["token"] and v2["tag"] == "second"
-    (s2,) = c.starts(t2.id)
-    (e1,) = c.ends(t1.id)
-    assert s2["t"] > e1["t"], "the deferred task ran after the holder's body"
-    assert [(r.token, r.task_id) for r in c.table.history(key)] == [
-        (v2["token"], t2.id),
-        (v1["token"], t1.id),
-    ]
-
-
-def test_conflict_reject_raises_lease_not_acquired(basics: tuple[Cluster, Worker]) -> None:
-    c, w = basics
-    key = new_key("reject")
-    t1 = c.tasks.work_reject.apply_async((key,), {"sleep": 1.5, "tag": "holder"})
-    s1 = c.wait_start(t1.id)
-    t2 = c.tasks.work_reject.apply_async((key,), {"tag": "late"})
-    with pytest.raises(LeaseNotAcquired) as info:
-        t2.get(timeout=20)
-    assert type(info.value).__name__ == "LeaseNotAcquired" and key in str(info.value)
-    assert backend_state(c, t2.id)[0] == "FAILURE"
-    wait_for(in_log(w, f"LEASE_REJECTED {t2.id}"), 10, "the conflict to be logged")
-    assert t1.get(timeout=20)["token"] == s1["token"]
-    assert not c.starts(t2.id)
-    assert [r.task_id for r in c.table.history(key)] == [t1.id]
-
-
-@pytest.mark.parametrize("policy", ["reject", "return"])
-def test_once_mode_duplicate(basics: tuple[Cluster, Worker], policy: str) -> None:
-    c, w = basics
-    task = c.tasks.work_once if policy == "reject" else c.tasks.work_once_return
-    key = new_key(f"once-{policy}")
-    t1 = task.apply_async((key,), {"tag": "first"})
-    v1 = t1.get(timeout=20)
-    t2 = task.apply_async((key,), {"tag": "second"})
-    if policy == "reject":
-        with pytest.raises(DuplicateResult) as info:
-            t2.get(timeout=20)
-        assert type(info.value).__name__ == "DuplicateResult"
-        assert key in str(info.value) and str(v1["token"]) in str(info.value)
-        assert backend_state(c, t2.id)[0] == "FAILURE"
-    else:
-        assert t2.get(timeout=20) == v1
-        assert backend_state(c, t2.id) == ("SUCCESS", v1)
-    wait_for(in_log(w, f"LEASE_REJECTED {t2.id}"), 10, "the duplicate to be rejected")
-    assert not c.starts(t2.id), "a duplicate never runs its body"
-    assert [(r.token, r.task_id) for r in c.table.history(key)] == [(v1["token"], t1.id)]
-
-
-def test_late_redelivery_of_an_accepted_task_id_is_not_executed(
-    basics: tuple[Cluster, Worker],
-) -> None:
-    c, w = basics
-    key = new_key("late")
-    t1 = c.tasks.work.apply_async((key,), {"tag": "x"})
-    v1 = t1.get(timeout=20)
-    assert w.log_text().count(f"[{t1.id}] received") == 1
-
-    # The same message again (same task id, same lease header), after the commit.
-    c.app.send_task(
-        "leaseapp.work",
-        args=(key,),
-        kwargs={"tag": "x"},
-        task_id=t1.id,
-        headers={"lease_keys": [key], "lease_tenant": None},
-    )
-    wait_for(
-        lambda: w.log_text().count(f"[{t1.id}] received") == 2,
-        10,
-        "the worker to receive the late copy",
-    )
-    wait_for(in_log(w, f"LEASE_REJECTED {t1.id}"), 10, "the late copy to be rejected")
-    assert backend_state(c, t1.id) == ("SUCCESS", v1)
-    assert len(c.starts(t1.id)) == 1
-    assert [(r.token, r.task_id) for r in c.table.history(key)] == [(v1["token"], t1.id)]
-
-
-def test_lock_only_returns_without_writing_a_result(basics: tuple[Cluster, Worker]) -> None:
-    c, _ = basics
-    key = new_key("lock-only")
-    t = c.tasks.lock_only.apply_async((key,), {"tag": "lock"})
-    value = t.get(timeout=20)
-    (s,) = c.starts(t.id)
-    assert value["token"] == s["token"]
-    assert c.table.accepted(key) is None and c.table.for_task(t.id) is None
-    rec = c.store.inspect(key)
-    assert rec is not None and not rec.live and rec.token == s["token"], "released after the body"
-
-
-def test_non_json_return_value_fails_naming_the_type_and_commits_nothing(
-    basics: tuple[Cluster, Worker],
-) -> None:
-    c, _ = basics
-    key = new_key("not-json")
-    t = c.tasks.bad_return.apply_async((key,), {"tag": "bad"})
-    with pytest.raises(ResultNotSerializable) as info:
-        t.get(timeout=20)
-    message = str(info.value)
-    assert "set" in message and "leaseapp.bad_return" in message and "JSON" in message, message
-    assert backend_state(c, t.id)[0] == "FAILURE"
-    assert len(c.starts(t.id)) == 1 and len(c.ends(t.id)) == 1, "the body ran once"
-    assert c.table.accepted(key) is None and c.table.for_task(t.id) is None
-    rec = c.store.inspect(key)
-    assert rec is not None and not rec.live, "the lease is released"
-
-
-def test_retry_claims_again_with_a_newer_token(basics: tuple[Cluster, Worker]) -> None:
-    c, w = basics
-    key = new_key("retry")
-    t = c.tasks.retry_once.apply_async((key,), {"tag": "r"})
-    value = t.get(timeout=20)
-    first, second = c.starts(t.id)
-    assert second["token"] > first["token"]
-    assert value["token"] == second["token"]
-    assert f"leaseapp.retry_once[{t.id}] retry" in w.log_text()
-    assert [(r.token, r.task_id) for r in c.table.history(key)] == [(second["token"], t.id)]
