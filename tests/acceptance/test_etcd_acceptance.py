@@ -154,12 +154,6 @@ def test_stale_owner_refused_while_the_new_owner_still_works(
 WORKER_TTL = 2.0
 
 
-@pytest.fixture(scope="module")
-def pg_results(pg_url: str) -> str:
-    celery_lease.migrate(pg_url)
-    return pg_url
-
-
 @pytest.fixture
 def make_cluster(
     tmp_path: Path,

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 
-import celery_lease
 from celery_lease import StaleFencingToken
 from celery_lease.results import ResultTable
 from tests.acceptance.lease_cluster import (
@@ -89,12 +88,6 @@ def test_stale_owner_is_refused_after_the_new_owner_committed(ha_url: str, tmp_p
 # --------------------------------------------------------------------------
 # 2. real workers: SIGSTOP past the TTL, SIGKILL of the child
 # --------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def pg_results(pg_url: str) -> str:
-    celery_lease.migrate(pg_url)
-    return pg_url
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import pytest
 
-import celery_lease
 from celery_lease import LeaseScopeMismatch, LeaseStore, StaleFencingToken
 from celery_lease.keys import scoped
 from celery_lease.results import ResultTable
@@ -38,12 +37,6 @@ pytestmark = pytest.mark.timeout(150)
 
 A, B = "acme", "globex"
 TTL = 30.0
-
-
-@pytest.fixture(scope="module")
-def pg_results(pg_url: str) -> str:
-    celery_lease.migrate(pg_url)
-    return pg_url
 
 
 @pytest.fixture(params=STORE_KINDS)
