@@ -132,7 +132,7 @@ def rdb_is_empty(data: bytes) -> bool:
         while data[pos] == _AUX:
             pos = _skip_string(data, _skip_string(data, pos + 1))
         return data[pos] == _EOF
-    except IndexError:
+    except (IndexError, ValueError):  # cut short, or not a preamble this reader knows
         return False
 
 
@@ -149,7 +149,7 @@ def _length(data: bytes, pos: int) -> tuple[int, int, bool]:
         return low, pos + 1, True
     width = {0x80: 4, 0x81: 8}.get(first)
     if width is None:
-        raise IndexError(f"unknown RDB length byte {first:#x}")
+        raise ValueError(f"unknown RDB length byte {first:#x}")
     return int.from_bytes(data[pos + 1 : pos + 1 + width], "big"), pos + 1 + width, False
 
 
@@ -165,9 +165,9 @@ def _skip_string(data: bytes, pos: int) -> int:
         compressed, pos, _ = _length(data, pos)
         end = _length(data, pos)[1] + compressed
     else:
-        raise IndexError(f"unknown RDB string encoding {value}")
+        raise ValueError(f"unknown RDB string encoding {value}")
     if end > len(data):
-        raise IndexError("RDB string runs past the end")
+        raise ValueError("RDB string runs past the end")
     return end
 
 

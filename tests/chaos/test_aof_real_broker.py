@@ -7,10 +7,10 @@ The AOF replay (:mod:`tests.chaos.aof`) proves a transport loss only when it
 holds the broker's whole history, that is when the base file Redis wrote at
 its first start holds no key. Redis writes that base as an RDB preamble whose
 auxiliary fields carry the server's clock (``ctime``) and memory use
-(``used-mem``) as binary integers, so any byte value can appear there. Searching
-the preamble for the SELECTDB opcode byte (0xFE) takes about one fresh base in
-sixty-four for a non-empty one; the chaos run then counts the tasks the Redis
-transport lost as lost by the plugin.
+(``used-mem``) as binary integers, so any byte value can appear there: a byte
+search for the SELECTDB opcode (0xFE) would take an empty base for a full one,
+and the chaos run would then count the tasks the Redis transport lost as lost
+by the plugin. Hence these tests on bases a real Redis writes.
 """
 
 from __future__ import annotations
