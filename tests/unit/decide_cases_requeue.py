@@ -5,14 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from celery_lease import decide
-from celery_lease.decide import (
-    Act,
-    Defer,
-    Failed,
-    Newer,
-    Read,
-    Republish,
-)
+from celery_lease.decide import Act, Defer, Failed, Newer, Read, Republish
 from tests.unit.decide_support import (
     LEASE_FAILURE,
     LIVE_OTHER,

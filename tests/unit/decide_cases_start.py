@@ -3,15 +3,7 @@
 from __future__ import annotations
 
 from celery_lease import decide
-from celery_lease.decide import (
-    Act,
-    BackendState,
-    BodyStart,
-    Duplicate,
-    Failed,
-    Lookup,
-    Read,
-)
+from celery_lease.decide import Act, BackendState, BodyStart, Duplicate, Failed, Lookup, Read
 from tests.unit.decide_support import (
     DEFAULT,
     LATE,
