@@ -2,7 +2,7 @@
 
     nox -l                                  # list the sessions
     nox -s "tests-3.11(celery='5.3', redis='5', sqlalchemy='2.0')"
-    nox -s tests -- tests/contract/test_store_contract.py -k redis    # any pytest arguments
+    nox -s tests -- tests/contract/store_contract -k redis    # any pytest arguments
 
 Each session installs the package with its published extras, pins the three
 libraries to the oldest supported line (``celery~=5.3.0``, ``redis~=5.0``,
@@ -27,7 +27,7 @@ PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
 OLDEST = {"celery": "celery~=5.3.0", "redis": "redis~=5.0", "sqlalchemy": "SQLAlchemy~=2.0.0"}
 DEFAULT_TESTS = [
     "tests/unit",
-    "tests/contract/test_store_contract.py",
+    "tests/contract/store_contract",
     "tests/contract/test_result_backend.py",
     "tests/acceptance/test_settings.py",
     "tests/acceptance/test_task_acceptance.py",
@@ -39,7 +39,7 @@ DEFAULT_TESTS = [
 #: differs between the lines)
 OLDEST_TESTS = [
     "tests/unit",
-    "tests/contract/test_store_contract.py",
+    "tests/contract/store_contract",
     "tests/contract/test_result_backend.py",
 ]
 

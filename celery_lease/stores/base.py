@@ -2,7 +2,7 @@
 
 A *lease* is time-limited ownership of one or more stable keys. Every grant
 carries a *fencing token*: an integer that, per key, only grows. The contract
-every store keeps (and that ``tests/contract/test_store_contract.py`` proves against
+every store keeps (and that ``tests/contract/store_contract/`` proves against
 real servers):
 
 1. **Tokens only grow.** A grant's token is larger than every token issued

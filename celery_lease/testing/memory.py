@@ -1,7 +1,7 @@
 """An in-memory lease store with a clock a test controls: ``memory://name``.
 
 **For users' unit tests of their own logic, never evidence for an
-invariant.** It keeps the store contract (``tests/contract/test_store_contract.py``
+invariant.** It keeps the store contract (``tests/contract/store_contract/``
 runs it with the real stores) inside one process, under one lock; it proves
 nothing about a server, a network, a restart or several processes. Leases in
 it are invisible to other processes: use it with an in-process worker

@@ -7,7 +7,7 @@ temporary SQLite result file, nothing in the current directory), and a real
 worker thread (``celery.contrib.testing.worker.start_worker``), never eager
 mode. The lease store is celery_lease.testing's in-memory one: this proves the
 helpers and the task's outcomes as a user sees them, not a store invariant
-(those are in tests/contract/test_store_contract.py and the worker suites).
+(those are in tests/contract/store_contract/ and the worker suites).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What is particular to the etcd store (the common contract: test_store_contract.py).
+"""What is particular to the etcd store (the common contract: tests/contract/store_contract/).
 
 Against real etcd clusters (tests/etcd_cluster.py): the shared 3-member
 cluster, or a private one where a test kills members. Raw etcd reads (the

@@ -2,7 +2,7 @@
 expire / take_over, spaces shared by URL, and the thread safety of one space.
 
 (The store contract itself runs on the memory store in
-tests/contract/test_store_contract.py.)
+tests/contract/store_contract/.)
 """
 
 from __future__ import annotations

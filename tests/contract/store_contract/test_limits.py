@@ -1,7 +1,7 @@
 """The lease-store contract, part two: TTL limits and evict by token, on every store.
 
-Run like tests/contract/test_store_contract.py (same stores, same real servers), kept
-apart so neither module grows past a readable size:
+Run like the rest of tests/contract/store_contract/ (same stores, same real
+servers), on every store but the in-memory one:
 
 * a TTL up to :data:`celery_lease.stores.base.MAX_TTL` (one year) is granted,
   renewed and read back by ``inspect()`` exactly; a larger one is refused with
@@ -21,8 +21,7 @@ import pytest
 
 from celery_lease import LeaseConfigError, LeaseStore
 from celery_lease.stores.base import MAX_TTL
-from tests.contract.test_store_contract import A, B, claim_ok, resolution, state
-from tests.etcd_cluster import etcd_cluster, etcd_url  # noqa: F401 - fixtures
+from tests.contract.store_contract.helpers import A, B, claim_ok, resolution, state
 from tests.store_fixtures import ALL_STORE_KINDS, HA_STORE_KINDS, new_key, open_store, store_url
 
 pytestmark = pytest.mark.timeout(60)
