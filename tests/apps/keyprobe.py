@@ -1,4 +1,4 @@
-"""Key derivation as a separate process sees it (tests/contract/test_properties.py).
+"""Key derivation as a separate process sees it (tests/contract/test_key_properties.py).
 
 ``python -m tests.apps.keyprobe`` reads JSON cases on stdin and prints the
 keys :class:`celery_lease.keys.KeySpec` derives for each, one JSON list per
