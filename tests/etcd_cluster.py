@@ -287,6 +287,34 @@ class EtcdCluster:
 # the session's shared cluster, and the fixtures
 # --------------------------------------------------------------------------
 
+# -- reading what etcd holds, past the store ----------------------------------
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def raw_get(cluster: EtcdCluster, name: str) -> dict[str, Any] | None:
+    """The etcd key ``name`` as etcd holds it (value decoded), or None."""
+    reply = cluster.call("kv/range", {"key": b64(name.encode())})
+    kvs = reply.get("kvs", [])
+    if not kvs:
+        return None
+    kv = dict(kvs[0])
+    kv["value"] = base64.b64decode(kv.get("value", ""))
+    return kv
+
+
+def lease_ttl(cluster: EtcdCluster, lease_id: int | str) -> tuple[int, int]:
+    """(remaining TTL, granted TTL) of an etcd lease; (-1, 0) once it is gone."""
+    reply = cluster.call("kv/lease/timetolive", {"ID": str(lease_id)})
+    return int(reply.get("TTL", 0)), int(reply.get("grantedTTL", 0))
+
+
+def etcd_leases(cluster: EtcdCluster) -> set[str]:
+    return {str(item["ID"]) for item in cluster.call("lease/leases", {}).get("leases", [])}
+
+
 _shared: EtcdCluster | None = None
 _shared_users = 0
 _shared_lock = threading.Lock()

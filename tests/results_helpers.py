@@ -18,10 +18,12 @@ import uuid
 from dataclasses import dataclass
 
 import pytest
+from celery import Celery
 from sqlalchemy import text
 
 import celery_lease
 from celery_lease import Lease, LeaseRecord, LeaseStore
+from celery_lease.backend import LeaseBackend
 from celery_lease.results import ResultTable
 from celery_lease.sql import database
 from tests.servers import wait_for
@@ -129,3 +131,9 @@ def result_rows(url: str, key: str) -> list[tuple[int, int, str | None]]:
             {"key": key},
         ).all()
     return [(int(r[0]), int(r[1]), r[2]) for r in rows]
+
+
+def backend_of(app: Celery) -> LeaseBackend:
+    backend = app.backend
+    assert isinstance(backend, LeaseBackend)
+    return backend

@@ -19,7 +19,6 @@ on it, ``/v3/maintenance/status``) and SIGKILLs it. Then, from the logs alone
 
 from __future__ import annotations
 
-import json
 import select
 import subprocess
 import time
@@ -32,6 +31,7 @@ from typing import Any
 import pytest
 
 from tests.etcd_cluster import EtcdCluster, make_etcd_cluster  # noqa: F401 - fixture
+from tests.grant_log import overlaps, read_logs
 from tests.servers import wait_for
 from tests.store_fixtures import PYTHON, client_env
 
@@ -45,42 +45,6 @@ TTL = 2.0
 DURATION = 9.0
 #: claims must resume within this many seconds of the kill
 RECOVERY_DEADLINE = 10.0
-
-
-def read_logs(paths: list[Path]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    for path in paths:
-        if path.exists():
-            rows += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return rows
-
-
-def overlaps(grants: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Pairs of grants of one key whose [enter, leave] intervals intersect."""
-    found = []
-    by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for g in grants:
-        by_key[g["key"]].append(g)
-    for rows in by_key.values():
-        rows.sort(key=lambda g: g["enter"])
-        busy_until: dict[str, Any] | None = None
-        for g in rows:
-            if busy_until is not None and g["enter"] < busy_until["leave"]:
-                found.append((busy_until, g))
-            if busy_until is None or g["leave"] > busy_until["leave"]:
-                busy_until = g
-    return found
-
-
-def test_the_detector_catches_an_overlap() -> None:
-    ok = [
-        {"key": "k", "token": 1, "enter": 0.0, "leave": 1.0},
-        {"key": "k", "token": 2, "enter": 1.5, "leave": 2.0},
-        {"key": "j", "token": 3, "enter": 0.5, "leave": 1.6},
-    ]
-    assert overlaps(ok) == []
-    bad = [*ok, {"key": "k", "token": 4, "enter": 0.2, "leave": 0.3}]
-    assert [(a["token"], b["token"]) for a, b in overlaps(bad)] == [(1, 4)]
 
 
 def test_leader_sigkill_while_eight_processes_contend(

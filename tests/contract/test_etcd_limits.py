@@ -25,12 +25,15 @@ from celery_lease import LeaseConfigError, LeaseError, LeaseStore, StoreUnavaila
 from celery_lease.config import Config
 from celery_lease.renewal import HeldLease, renewer
 from celery_lease.stores.etcd import EtcdLeaseStore
-from tests.contract.test_etcd_store import lease_ttl, raw_get
 from tests.etcd_cluster import (  # noqa: F401 - fixtures
     EtcdCluster,
+    b64,
     etcd_cluster,
+    etcd_leases,
     etcd_url,
+    lease_ttl,
     make_etcd_cluster,
+    raw_get,
 )
 from tests.lossy_proxy import LossyProxy
 from tests.servers import LOOPBACK, wait_for

@@ -28,9 +28,13 @@ from celery_lease.config import Config
 from celery_lease.stores.etcd import EtcdLeaseStore
 from tests.etcd_cluster import (  # noqa: F401 - fixtures
     EtcdCluster,
+    b64,
     etcd_cluster,
+    etcd_leases,
     etcd_url,
+    lease_ttl,
     make_etcd_cluster,
+    raw_get,
 )
 from tests.servers import free_port, wait_for
 from tests.store_fixtures import new_key
@@ -39,31 +43,6 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90)]
 
 A = "worker-a:1:aaaa"
 B = "worker-b:2:bbbb"
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def raw_get(cluster: EtcdCluster, name: str) -> dict[str, Any] | None:
-    """The etcd key ``name`` as etcd holds it (value decoded), or None."""
-    reply = cluster.call("kv/range", {"key": b64(name.encode())})
-    kvs = reply.get("kvs", [])
-    if not kvs:
-        return None
-    kv = dict(kvs[0])
-    kv["value"] = base64.b64decode(kv.get("value", ""))
-    return kv
-
-
-def lease_ttl(cluster: EtcdCluster, lease_id: int | str) -> tuple[int, int]:
-    """(remaining TTL, granted TTL) of an etcd lease; (-1, 0) once it is gone."""
-    reply = cluster.call("kv/lease/timetolive", {"ID": str(lease_id)})
-    return int(reply.get("TTL", 0)), int(reply.get("grantedTTL", 0))
-
-
-def etcd_leases(cluster: EtcdCluster) -> set[str]:
-    return {str(item["ID"]) for item in cluster.call("lease/leases", {}).get("leases", [])}
 
 
 @pytest.fixture

@@ -57,7 +57,7 @@ import celery_lease
 from celery_lease import LeaseStore, StaleFencingToken
 from celery_lease.results import ResultTable
 from tests.acceptance.lease_cluster import Cluster, backend_state
-from tests.contract.test_etcd_failover import overlaps, read_logs
+from tests.grant_log import overlaps, read_logs
 from tests.redis_ha import SENTINEL_MASTER, ClusterDeployment, SentinelDeployment
 from tests.servers import RedisServer, wait_for
 from tests.store_fixtures import PYTHON, client_env

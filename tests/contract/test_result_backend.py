@@ -30,6 +30,7 @@ from celery_lease import backend as backend_module
 from celery_lease.backend import LeaseBackend, LeaseBackendConfigError
 from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
 from celery_lease.sql import database
+from tests.results_helpers import backend_of
 from tests.servers import PostgresServer, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,12 +59,6 @@ def app(db_url: str) -> Iterator[Celery]:
     app = make_app(db_url)
     yield app
     app.close()
-
-
-def backend_of(app: Celery) -> LeaseBackend:
-    backend = app.backend
-    assert isinstance(backend, LeaseBackend)
-    return backend
 
 
 def task_id() -> str:

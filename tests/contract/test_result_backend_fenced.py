@@ -40,8 +40,7 @@ from sqlalchemy.pool import NullPool
 from celery_lease import DuplicateResult, Lease, StaleFencingToken
 from celery_lease.backend import WRITER_ATTR, LeaseWriter, commit_record
 from celery_lease.sql import PG_TRAFFIC, count_pg_traffic
-from tests.contract.test_result_backend import backend_of
-from tests.results_helpers import Pairing, new_key, wait_until_expired
+from tests.results_helpers import Pairing, backend_of, new_key, wait_until_expired
 
 pytestmark = pytest.mark.timeout(60)
 

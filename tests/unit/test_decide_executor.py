@@ -6,7 +6,7 @@ executor (``execution.py``, ``claiming.py``, ``requeue.py``) compares it with
 that gains an act its call site does not handle is a defect no row test sees:
 the decision is right, and the executor falls through to the wrong branch (or
 to ``carry_out``'s closing ``assert``). The acts each decision can return come
-from the walked cases of ``test_decide`` (every table row has one); what each
+from the walked cases of ``test_decide`` (decide_cases_*.py: every table row has one); what each
 call site handles is read from its source, so neither side can change alone.
 
 Pure: no servers, no workers.
@@ -26,7 +26,9 @@ import pytest
 
 from celery_lease import claiming, decide, execution, requeue
 from celery_lease.decide import Act
-from tests.unit.test_decide import CASES
+from tests.unit.decide_cases_end import END
+from tests.unit.decide_cases_requeue import REQUEUE
+from tests.unit.decide_cases_start import START
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def carried_out() -> set[Act]:
 
 def returned_acts() -> dict[str, set[Act]]:
     acts: dict[str, set[Act]] = defaultdict(set)
-    for case in CASES:
+    for case in (*START, *END, *REQUEUE):
         acts[case.decide.__name__].add(case.act)
     return acts
 
