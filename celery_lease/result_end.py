@@ -19,8 +19,9 @@ commit refuses a row of a task id with a mark (``queries._ENDED_GUARD``,
 Under that lock the mark is refused where it would be wrong:
 
 - ``accepted``: a copy of this task id was accepted first (its SUCCESS is the outcome);
-- ``copy_holds``: a copy of this task id holds the key with another grant, or
-  held it and has not released it (it decides);
+- ``copy_holds``: a copy of this task id holds the key with another grant, or,
+  with the leases in the result database, held it and has not released it (it
+  decides);
 - ``holder_gone``: for a take-over, the key has no live holder any more, or its
   holder is a copy of a task id that has ended too: nobody would then do the
   key's work, so this task runs again instead of ending.
@@ -88,7 +89,7 @@ def end_remote(table: ResultTable, lease: Lease, task_id: str, take_over: bool) 
         # The holder while this transaction holds the fence row: a newer owner
         # registers there before its body, and its commit locks it.
         holder = store.inspect(lease.key)
-        return _mark(conn, lease, task_id, take_over, holder)
+        return _mark(conn, lease, task_id, take_over, holder, colocated=False)
 
 
 def end_colocated(table: ResultTable, lease: Lease, task_id: str, take_over: bool) -> EndMark:
@@ -96,11 +97,18 @@ def end_colocated(table: ResultTable, lease: Lease, task_id: str, take_over: boo
     updates it in its one statement), read the holder from it, check, mark."""
     with table.db.transaction() as conn:
         row = conn.execute(table.db.sql.lease_row, {"key": lease.key}).first()
-        return _mark(conn, lease, task_id, take_over, None if row is None else _record(row))
+        holder = None if row is None else _record(row)
+        return _mark(conn, lease, task_id, take_over, holder, colocated=True)
 
 
 def _mark(
-    conn: Conn, lease: Lease, task_id: str, take_over: bool, holder: LeaseRecord | None
+    conn: Conn,
+    lease: Lease,
+    task_id: str,
+    take_over: bool,
+    holder: LeaseRecord | None,
+    *,
+    colocated: bool,
 ) -> EndMark:
     """The checks and the insert, each a statement of its own after the lock, so
     each sees every commit and mark that held the lock before."""
@@ -108,12 +116,16 @@ def _mark(
         return EndMark(ALREADY)
     if conn.execute(q.RESULT_FOR_TASK, {"task_id": task_id}).first() is not None:
         return EndMark(ACCEPTED)
-    if holder is not None and holder.owner_id is not None:  # live, or run out unreleased
-        # A copy of this task id holds the key, or held it without releasing:
-        # its commit may still be in flight. With the leases in this database
-        # that commit is one statement, which judges the lease by the clock and
-        # snapshot of its start, before it waits for the row this transaction
-        # locked: it would neither see this mark nor find its lease run out.
+    # A copy of this task id that holds the key decides its outcome itself. With
+    # the leases in this database, so does one whose lease row ran out
+    # unreleased: its commit is one statement, which judges the lease by the
+    # clock and snapshot of its start, before it waits for the row this
+    # transaction locked, so it would neither see this mark nor find its lease
+    # run out. Elsewhere the commit reads the store after its lock, so a run-out
+    # lease is no holder, whether or not the store has deleted its record yet
+    # (Redis deletes a hash up to a millisecond after its expiry; a SQL lease
+    # store keeps the row).
+    if holder is not None and (holder.live or (colocated and holder.owner_id is not None)):
         if holder.task_id == task_id and holder.token != lease.token:
             return EndMark(COPY_HOLDS, holder.remaining)
     if holder is not None and holder.live:

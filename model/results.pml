@@ -199,7 +199,7 @@ inline mark_end(k, T, t, why, r, hl, ht) {
          * out (GONE here forgets them: next_tok and g_newest_task are what the
          * row holds); only a release (TOMB) or a new claim changes them.
          * Mutation i, the code before: live rows only. */
-        /* @code celery_lease/result_end.py:_mark "if holder is not None and holder.owner_id is not None:  # live, or run out unreleased" */
+        /* @code celery_lease/result_end.py:_mark "if holder is not None and (holder.live or (colocated and holder.owner_id is not None)):" */
         :: rec_st[k] == GONE && g_newest_task[k] == T + 1 && next_tok[k] != t -> r = COPY_HOLDS
 #endif
 #ifndef MUT_H
