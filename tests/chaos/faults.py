@@ -16,11 +16,12 @@ Kinds (``KINDS``):
 
 and the kinds of :mod:`tests.chaos.server_faults` (``store_oom``,
 ``store_readonly``, ``results_readonly``, ``store_long_outage``,
-``results_long_outage``, ``kill_after_commit``, ``publish_error``), each proven
-before it counts.
+``results_long_outage``, ``kill_after_commit``, ``publish_error``) and of
+:mod:`tests.chaos.expiry_faults` (``store_expiry_lag``), each proven before
+it counts.
 
 The next kind is always one of the least injected so far (ties broken by the
-seeded RNG), so a run of n faults has every kind n / 16 times, give or take
+seeded RNG), so a run of n faults has every kind n / 17 times, give or take
 one. Every fault is appended to ``faults.jsonl`` with its real start and end
 time.
 """
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.chaos.cluster import ChaosWorker, Cluster
+from tests.chaos.expiry_faults import EXPIRY_KINDS, ExpiryFaults
 from tests.chaos.server_faults import SERVER_KINDS, ServerFaults
 
 __all__ = ["KINDS", "Injector"]
@@ -52,12 +54,15 @@ KINDS = (
     "pg_restart",
     "store_unreachable",
     *SERVER_KINDS,
+    *EXPIRY_KINDS,
 )
 SKEWS = ("+1h", "-1h")
 #: the kinds that act on the Redis lease store only: left out when the leases are in
 #: PostgreSQL (``--store pg``), whose faults are ``pg_restart``, ``results_*`` and
 #: ``store_unreachable`` on ``pg``
-REDIS_STORE_KINDS = ("store_restart", "store_oom", "store_readonly", "store_long_outage")
+REDIS_STORE_KINDS = (
+    "store_restart", "store_oom", "store_readonly", "store_long_outage", "store_expiry_lag",
+)  # fmt: skip
 #: the kinds that also hold the broker's lock (no broker fault while they last)
 LONG_OUTAGES = ("store_long_outage", "results_long_outage")
 #: the kinds that act on one worker (its lock taken)
@@ -66,7 +71,7 @@ WORKER_KINDS = (
 )  # fmt: skip
 
 
-class Injector(ServerFaults):
+class Injector(ServerFaults, ExpiryFaults):
     def __init__(
         self,
         cluster: Cluster,
@@ -165,6 +170,7 @@ class Injector(ServerFaults):
                 "pg" if self.c.store_kind == "pg" else self.rng.choice(("store", "pg"))
             ),
             "store_oom": "store",
+            "store_expiry_lag": "store",
             "store_readonly": "store",
             "store_long_outage": "store",
             "results_readonly": "pg",

@@ -2,7 +2,7 @@
 
 The same run as ``python -m tests.chaos`` (see ``tests/chaos/runner.py``),
 smaller: 3 workers (one ``-P threads``) and the probe worker, 120 tasks over
-8 keys, 100 s of faults at 0.25/s, so each of the sixteen fault kinds
+8 keys, 100 s of faults at 0.25/s, so each of the seventeen fault kinds
 happens at least once (the kind chosen next is always a least-injected one).
 Reproduce it outside pytest with::
 
