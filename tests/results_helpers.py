@@ -9,6 +9,8 @@ A *pairing* is where the leases live and where the results live:
 * ``pg+pg``         -- leases and results in one PostgreSQL database (one-transaction path)
 * ``sqlite+sqlite`` -- leases and results in one SQLite file (one-transaction path)
 * ``redis+sqlite``  -- leases in Redis, results in SQLite (register/lock path, BEGIN IMMEDIATE)
+* ``sqlite+pg``     -- leases in a SQLite file, results in PostgreSQL (register/lock
+  path with a SQL lease store: a lease row stays when its lease runs out)
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ __all__ = [
     "wait_until_expired",
 ]
 
-PAIRINGS = ("redis+pg", "pg+pg", "sqlite+sqlite", "redis+sqlite")
+PAIRINGS = ("redis+pg", "pg+pg", "sqlite+sqlite", "redis+sqlite", "sqlite+pg")
 
 _migrated: set[str] = set()
 
@@ -79,12 +81,17 @@ def make_pairing(request: pytest.FixtureRequest, kind: str, **table_options: obj
     elif kind == "sqlite+sqlite":
         store_url = result_url = request.getfixturevalue("sqlite_url")
         celery_lease.migrate(store_url)
+    elif kind == "sqlite+pg":
+        store_url = request.getfixturevalue("sqlite_url")
+        celery_lease.migrate(store_url)
+        result_url = migrated_pg_url(request)
     else:  # pragma: no cover - a typo in a parametrization
         raise ValueError(kind)
     store = LeaseStore.from_url(store_url)
     table = ResultTable(result_url, store, **table_options)  # type: ignore[arg-type]
     # The pairing is what the test is about: make sure the intended commit path runs.
-    assert table.colocated is not kind.startswith("redis+"), (kind, table.colocated)
+    leases, results = kind.split("+")
+    assert table.colocated is (leases == results), (kind, table.colocated)
     return Pairing(kind, store_url, result_url, store, table)
 
 

@@ -7,7 +7,7 @@ the execution's :class:`~celery_lease.backend.LeaseWriter`, then reads
 ``celery_lease_task_meta`` itself.
 
 For every pairing of lease store and result database (tests/results_helpers.py:
-``redis+pg`` and ``redis+sqlite``, the fence-row path; ``pg+pg`` and
+``redis+pg``, ``redis+sqlite`` and ``sqlite+pg``, the fence-row path; ``pg+pg`` and
 ``sqlite+sqlite``, the one-transaction path), with the backend in the result
 table's database:
 
@@ -164,7 +164,7 @@ def test_the_commit_writes_the_task_success_in_its_transaction(
     assert AsyncResult(tid, app=app).get(timeout=5) == {"v": 1}
     if pairing.kind == "pg+pg":
         assert trips == 1  # check + release + insert + record: one statement
-    if pairing.kind == "redis+pg":
+    if pairing.kind in ("redis+pg", "sqlite+pg"):
         assert trips == 2  # lock the fence row; insert + record + COMMIT
     if pairing.result_url.startswith("postgresql"):
         assert row["xid"] == result_xid(pairing.result_url, lease), "not one transaction"

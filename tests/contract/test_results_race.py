@@ -283,7 +283,7 @@ def pool() -> Iterator[Any]:
         yield p
 
 
-@pytest.fixture(params=["redis+pg", "sqlite+sqlite", "pg+pg", "redis+sqlite"])
+@pytest.fixture(params=["redis+pg", "sqlite+sqlite", "pg+pg", "redis+sqlite", "sqlite+pg"])
 def pairing(request: pytest.FixtureRequest) -> Iterator[Pairing]:
     p = make_pairing(request, request.param)
     yield p

@@ -5,7 +5,7 @@ claims (token 8); B commits; A resumes and its commit with token 7 is
 rejected. B's result stands.
 
 Every test runs for each pairing of lease store and result database
-(``redis+pg`` and ``redis+sqlite``: the register/lock path; ``pg+pg`` and
+(``redis+pg``, ``redis+sqlite`` and ``sqlite+pg``: the register/lock path; ``pg+pg`` and
 ``sqlite+sqlite``: the one-transaction path) and, where the mode matters,
 for both modes. Leases
 lapse for real (a 1 s TTL, proven with ``store.inspect``), never by faking a
