@@ -5,7 +5,8 @@
                       as soon as it is seen, so released and run-out leases
                       stay readable past their ``expires``; each gets back the
                       expiry it had (PEXPIREAT: one in the past deletes it at
-                      once), unless a claim, renewal or release gave it another
+                      once), unless a claim or a renewal gave it another (a
+                      release keeps the hash's expiry: a tombstone)
 
 The scripts decide expiry by the hash's ``expires`` field against Redis's
 clock, never by whether the hash exists, and Redis deletes a hash only in the
@@ -35,6 +36,8 @@ LAG_PROOF_MAX = 20.0
 
 # Take a hash's expiry away, atomically with reading what it was, and the
 # token it was for. Returns {pexpiretime_ms, token} or false (no expiry).
+# PEXPIRETIME is Redis 7.0's; on an older server the fault fails to apply,
+# and the CI-sized runs fail naming it as never injected.
 _KEEP = """
 local at = redis.call('PEXPIRETIME', KEYS[1])
 if at <= 0 then return false end
@@ -84,7 +87,7 @@ class ExpiryFaults:
             ):
                 for name in r.scan_iter(match=LEASE_HASHES, count=1000):
                     reply = keep(keys=[name])
-                    if reply:  # new, or a claim, renewal or release gave it an expiry again
+                    if reply:  # new, or a claim or renewal gave it an expiry again
                         kept[name] = (int(reply[0]), reply[1])
                 for name in kept.keys() - past.keys():
                     how = lingers(keys=[name])
