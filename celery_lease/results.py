@@ -7,8 +7,8 @@ that resumes while the new owner is still working would be accepted.
 
 Two ways to make that atomic, chosen by where the leases live:
 
-**Leases in the same SQL database** (``lease_store_url == lease_result_url``):
-one transaction updates the lease row ``WHERE owner AND token AND unexpired``
+**Leases in the same SQL database** (both URLs name it, in any spelling): one
+transaction updates the lease row ``WHERE owner AND token AND unexpired``
 (locking it, and releasing it when asked) and inserts the result only if that
 update matched. A claim by a new owner needs the same row, so it waits for
 the commit or sees it.

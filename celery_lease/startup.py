@@ -114,7 +114,9 @@ def databases(app: Any, cfg: Config) -> list[str]:
     from celery_lease.sql.driver import normalize_sql_url
 
     urls = [cfg.result_url]
-    if cfg.store_url != cfg.result_url and is_sql_url(cfg.store_url):
+    if is_sql_url(cfg.store_url) and normalize_sql_url(cfg.store_url) != normalize_sql_url(
+        cfg.result_url
+    ):
         urls.append(cfg.store_url)
     backend = lease_backend_url(app)
     if backend is not None:

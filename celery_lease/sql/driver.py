@@ -34,10 +34,30 @@ __all__ = ["Database", "database", "normalize_sql_url"]
 
 
 def normalize_sql_url(url: str) -> str:
-    """Map ``postgresql://``/``postgres://`` to the psycopg 3 driver; keep others as given."""
+    """One spelling per database: ``postgresql://``/``postgres://`` map to the
+    psycopg 3 driver; an SQLite file's path is made absolute, symbolic links
+    resolved.
+
+    :func:`database` keys its one :class:`Database` per process by this form.
+    Two spellings of one SQLite file (``sqlite:///proj.db`` and the absolute
+    path) must share it: as two, the lease store and the result table would
+    look like two databases, and a commit holding the file's write lock would
+    wait on its own release over the other connection until the busy timeout,
+    on every attempt.
+    """
     for plain in ("postgresql://", "postgres://"):
         if url.startswith(plain):
             return "postgresql+psycopg://" + url[len(plain) :]
+    if url.startswith("sqlite"):
+        try:
+            parsed = make_url(url)
+        except exc.ArgumentError:
+            return url  # Database() says what is wrong with it
+        if parsed.drivername == "sqlite+pysqlite":  # SQLAlchemy's default SQLite driver
+            parsed = parsed.set(drivername="sqlite")
+        if parsed.database not in (None, "", ":memory:"):
+            parsed = parsed.set(database=os.path.realpath(parsed.database))
+        return parsed.render_as_string(hide_password=False)
     return url
 
 

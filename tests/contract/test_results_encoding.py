@@ -12,12 +12,14 @@ import datetime as dt
 import decimal
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from celery_lease import Lease, LeaseStore, ResultNotSerializable, ResultTooLarge
 from celery_lease.results import MODES, ResultTable, encode_result
+from celery_lease.sql import database
 from tests.results_helpers import PAIRINGS, Pairing, make_pairing, new_key, result_rows
 
 LONG_TTL = 30.0
@@ -170,4 +172,42 @@ def test_result_table_on_its_own_database(sqlite_url: str) -> None:
     reader = ResultTable(sqlite_url)
     got = reader.accepted("reader-key")
     assert got is not None and got.value == {"x": ["y", None]}
+    store.close()
+
+
+def _spellings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Other spellings of ``tmp_path / 'lease.sqlite3'``, by name."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    return {
+        "relative": "sqlite:///lease.sqlite3",
+        "dot-segments": f"sqlite:///{tmp_path}/sub/../lease.sqlite3",
+        "symbolic-link": f"sqlite:///{tmp_path}/link/lease.sqlite3",
+        "driver-named": f"sqlite+pysqlite:///{tmp_path}/lease.sqlite3",
+    }
+
+
+@pytest.mark.parametrize("spelling", ["relative", "dot-segments", "symbolic-link", "driver-named"])
+def test_one_sqlite_file_spelt_two_ways_is_one_database(
+    spelling: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leases and results in one SQLite file, its URL spelt differently in each
+    setting, are leases in the result table's database: the commit is the one
+    transaction. As two databases, the commit held the file's write lock while
+    it released the lease over another connection to the same file, and waited
+    on itself until the busy timeout, on every attempt."""
+    canonical = f"sqlite:///{tmp_path / 'lease.sqlite3'}"
+    other = _spellings(tmp_path, monkeypatch)[spelling]
+    assert database(other) is database(canonical)
+    store = LeaseStore.from_url(canonical)
+    table = ResultTable(other, store)
+    assert table.colocated
+    lease = store.claim("spelt-key", ttl=LONG_TTL, owner_id="owner-A")
+    assert lease is not None
+    table.register(lease)
+    accepted = table.commit(lease, {"spelling": spelling})
+    assert accepted.token == lease.token
+    record = store.inspect("spelt-key")
+    assert record is not None and not record.live  # released in the commit
     store.close()
