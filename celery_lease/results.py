@@ -408,7 +408,7 @@ class ResultTable:
 
     def _result(self, row: Any) -> AcceptedResult:
         value = row.result
-        if isinstance(value, str) and self.db.is_sqlite:
+        if isinstance(value, str | bytes) and self.db.is_sqlite:  # bytes: a number's text
             value = json.loads(value)
         return AcceptedResult(
             key=row.lease_key,

@@ -39,6 +39,7 @@ from celery_lease.sql.queries import (
     FENCE_CURRENT,
     NOW,
     REGISTER,
+    RESULT_VALUE,
     _bound,
     pyformat,
 )
@@ -71,7 +72,7 @@ class Dialect:
         #: The result insert (``_RESULT_INSERT``), by once mode.
         self.result_insert = {
             once: _RESULT_INSERT.format(
-                result=":result" if sqlite else "CAST(:result AS jsonb)",
+                result=RESULT_VALUE["sqlite" if sqlite else "postgresql"],
                 now=now,
                 guards=_RESULT_GUARDS[once],
             )

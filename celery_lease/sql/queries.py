@@ -296,6 +296,16 @@ SELECT :key, :token, :task_id, :task_name, :owner_id, :tenant, :root_id, {result
 ON CONFLICT (lease_key, fencing_token) DO NOTHING
 RETURNING accepted_at
 """
+#: The result's JSON text as the insert stores it (``{result}`` above), by
+#: dialect. SQLite gives a column declared JSON numeric affinity: the text of
+#: a top-level number would be stored as an INTEGER or a REAL (``2.0`` reads
+#: back as ``2``, ``2**80`` loses digits), so a number's text goes in as a
+#: BLOB, which no affinity converts. PostgreSQL keeps jsonb.
+RESULT_VALUE = {
+    "sqlite": "CASE WHEN json_type(:result) IN ('integer', 'real') "
+    "THEN CAST(:result AS BLOB) ELSE :result END",
+    "postgresql": "CAST(:result AS jsonb)",
+}
 _RESULT_ONCE_GUARD = "WHERE NOT EXISTS (SELECT 1 FROM celery_lease_results WHERE lease_key = :key)"
 #: No row for a task id that has ended (celery_lease/result_end.py): the
 #: commit's transaction holds the key's lock, so it sees every end mark made before.

@@ -128,6 +128,12 @@ ROUND_TRIP = [
     pytest.param(0, id="zero"),
     pytest.param(-(2**62), id="big-int"),
     pytest.param(3.25, id="float"),
+    # A top-level number is the whole JSON text: SQLite's numeric affinity
+    # would store it as an INTEGER or a REAL unless kept as written.
+    pytest.param(2.0, id="integral-float"),
+    pytest.param(-0.0, id="negative-zero"),
+    pytest.param(2**80, id="int-beyond-64-bits"),
+    pytest.param(1.5e-300, id="tiny-float"),
     pytest.param("", id="empty-string"),
     pytest.param("héllo wörld ✓ 日本語 🚀", id="unicode"),
     pytest.param('quotes " and \\ backslashes \n newlines \t\x01', id="escapes"),
@@ -160,6 +166,23 @@ def test_json_values_round_trip(pairing: Pairing, value: Any) -> None:
         assert got is not None
         assert got.value == value and type(got.value) is type(value), got
     assert [t for _, t, _ in result_rows(pairing.result_url, key)] == [lease.token]
+
+
+@pytest.mark.parametrize("value", [1e16, -2.5e300, 1.2345678901234567e19])
+def test_a_float_in_exponent_form_keeps_its_value(pairing: Pairing, value: float) -> None:
+    """SQLite keeps the JSON text as written. PostgreSQL's jsonb keeps a
+    number's value, not its spelling: a float Python writes in exponent form
+    (1e16 and up) reads back as the int its digits name, which converts back
+    to the same float (docs/result-backend.md says so)."""
+    key = new_key("exponent")
+    lease = claim(pairing, key)
+    pairing.table.commit(lease, value)
+    got = pairing.table.accepted(key)
+    assert got is not None
+    if database(pairing.result_url).is_sqlite:
+        assert got.value == value and type(got.value) is float, got
+    else:
+        assert type(got.value) is int and float(got.value) == value, got
 
 
 def test_result_table_on_its_own_database(sqlite_url: str) -> None:
