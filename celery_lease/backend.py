@@ -205,9 +205,21 @@ def commit_record(
     transaction: only if Celery would store one (not ``ignore_result``, not an
     eager call without ``store_eager_result``), in a ``lease+`` backend whose
     database is ``results_db``, the result table's. None: the tracer writes it
-    after the commit (a write of its own, fenced by the token here)."""
+    after the commit (a write of its own, fenced by the token here).
+
+    Never for a chord's header member: Celery counts the member in the call
+    that stores its SUCCESS (``mark_as_done``, then ``on_chord_part_return``),
+    and acknowledges without a count a message whose worker died after its
+    SUCCESS was stored ("succeeded before the worker was lost"). A SUCCESS in
+    the commit would open the whole rest of the execution to a death that
+    loses the count for good, and the chord would wait forever. Stored by the
+    tracer, a death before it leaves no SUCCESS: the message comes back, and
+    the copy stores the accepted value through ``mark_as_done``, which counts
+    the member."""
     backend = task.backend
     if not isinstance(backend, LeaseBackend) or backend.db is not results_db:
+        return None
+    if getattr(request, "chord", None):
         return None
     ignored = task.ignore_result or getattr(request, "ignore_result", False)
     eager = getattr(request, "is_eager", False)

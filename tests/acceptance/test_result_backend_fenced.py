@@ -208,8 +208,9 @@ def test_canvas_on_success_records_written_by_the_commit(
 ) -> None:
     """Celery sends a link after the body and records it in the SUCCESS's
     children: the tracer's write adds it (one fenced write, the same token).
-    A chord of leased header tasks counts its members on the SUCCESS records
-    their commits wrote, and sends its callback once."""
+    A chord of leased header tasks counts its members (their SUCCESS records
+    written by the tracer, fenced by their tokens: see test_chord_crash.py for
+    why not by the commit), and sends its callback once."""
     _, d = counted
     key = f"link-{uuid.uuid4().hex}"
     done = d.tasks.work.apply_async((key,), queue="qc", link=d.tasks.add.si(2, 3).set(queue="qc"))

@@ -1,0 +1,111 @@
+"""A chord header member whose worker dies between the fenced commit and Celery's
+SUCCESS write still completes its chord: real prefork workers.
+
+Celery counts a header member in the call that stores its SUCCESS
+(``mark_as_done``, then ``on_chord_part_return``), and acknowledges without a
+count a message whose worker died after its SUCCESS was stored. So the
+member's SUCCESS must not be stored before Celery's own write: then a death
+after the commit leaves no SUCCESS, the message comes back
+(``task_reject_on_worker_lost``), and the copy, which never runs the body
+again, stores the accepted value through ``mark_as_done``, which counts the
+member. With the SUCCESS in the commit's transaction (the ``lease+`` backend's
+one-transaction commit), the chord waited forever.
+
+The fault is ``DieAfterCommit`` (tests/apps/leaseapp.py): the armed member's
+pool process SIGKILLs itself right after the commit, before the tracer's
+write. Each deployment: Celery's Redis backend, and the ``lease+`` backend on
+the result database with the leases in Redis and in that database.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import chord
+
+import celery_lease
+from tests.apps.leaseapp import build
+from tests.servers import PostgresServer, RedisServer, wait_for
+from tests.workers import Worker, _state, read_log
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.redis]
+
+DEPLOYMENTS = ["redis-backend", "lease-backend+redis-leases", "lease-backend+pg-leases"]
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=False)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(params=DEPLOYMENTS)
+def deployment(
+    request: pytest.FixtureRequest,
+    redis: RedisServer,
+    pg_server: PostgresServer,
+    pg_url: str,
+    tmp_path: Path,
+) -> Iterator[tuple[dict[str, str], Any, Worker]]:
+    celery_lease.migrate(pg_url)
+    n = DEPLOYMENTS.index(request.param)
+    arm = tmp_path / "arm"
+    arm.mkdir()
+    env = {
+        "CL_BROKER": redis.url(3 * n),
+        "CL_STORE": pg_url if request.param.endswith("pg-leases") else redis.url(3 * n + 1),
+        "CL_LOG": str(tmp_path / "exec.log"),
+        "CL_ARM_DIR": str(arm),
+        "CL_TTL": "30",
+    }
+    if request.param == "redis-backend":
+        env |= {"CL_BACKEND": redis.url(3 * n + 2), "CL_RESULTS": pg_url}
+    else:
+        env["CL_BACKEND"] = f"lease+{pg_url}"  # the result table's database
+    app, tasks = build(env)
+    worker = Worker("chord", env, tmp_path).start()
+    try:
+        yield env, tasks, worker
+    finally:
+        worker.kill()
+        app.close()
+
+
+def test_a_member_killed_after_its_commit_still_completes_the_chord(
+    deployment: tuple[dict[str, str], Any, Worker],
+) -> None:
+    env, tasks, worker = deployment
+    keys = [f"chord-crash-{uuid.uuid4().hex}" for _ in range(3)]
+    ids = [str(uuid.uuid4()) for _ in keys]
+    (Path(env["CL_ARM_DIR"]) / ids[1]).touch()
+    header = [
+        tasks.die_after_commit.s(k, 0.0, f"m{i}").set(task_id=t)
+        for i, (k, t) in enumerate(zip(keys, ids))
+    ]
+    joined = chord(header, tasks.collect.s()).apply_async()
+
+    # The fault happened: the armed member committed, then its process died.
+    committed = wait_for(
+        lambda: [r for r in read_log(Path(env["CL_LOG"])) if r["event"] == "committed"] or None,
+        60,
+        "the armed member's commit",
+    )[0]
+    assert committed["task_id"] == ids[1]
+    wait_for(lambda: _state(committed["pid"]) in ("?", "Z"), 30, "the committing child to die")
+
+    values = joined.get(timeout=90)
+    assert [v["key"] for v in values] == keys
+    assert values[1] == committed["value"], "the callback got the accepted value"
+    starts = [r for r in read_log(Path(env["CL_LOG"])) if r["event"] == "start"]
+    assert sorted(r["task_id"] for r in starts) == sorted(ids), "a body ran twice"
+    accepted = tasks.die_after_commit.accepted(key=keys[1])
+    assert accepted is not None and accepted.value == committed["value"]
+    assert f"LEASE_REJECTED {ids[1]}" in worker.log_text(), "the copy ran instead of ending"
