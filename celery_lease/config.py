@@ -125,9 +125,12 @@ def _string(name: str, value: Any) -> str:
 
 def _url(name: str, value: Any) -> str:
     if not isinstance(value, str) or "://" not in value:
+        # The value is not quoted: a URL without its scheme, or one in a list,
+        # may hold a password the redaction cannot find.
+        got = "a string with no scheme://" if isinstance(value, str) else type(value).__name__
         raise LeaseConfigError(
             f"{name} must be a URL such as redis://host:6379/1, "
-            f"postgresql+psycopg://host/db or sqlite:///path; got {value!r}"
+            f"postgresql+psycopg://host/db or sqlite:///path; got {got}"
         )
     scheme = scheme_of(value)
     store_cls = store_class(scheme)
@@ -212,7 +215,10 @@ def _key_prefix(name: str, value: Any) -> str:
 def _options(name: str, value: Any) -> dict[str, Any]:
     options = value or {}
     if not isinstance(options, dict):
-        raise LeaseConfigError(f"{name} must be a dict of client options, got {options!r}")
+        # Named by type, never quoted: options given as pairs hold the password.
+        raise LeaseConfigError(
+            f"{name} must be a dict of client options, got {type(options).__name__}"
+        )
     return dict(options)
 
 
@@ -439,7 +445,7 @@ class Config:
         if not is_sql_url(values["result_url"]):
             raise LeaseConfigError(
                 f"lease_result_url must be a SQL database (postgresql+psycopg://... or "
-                f"sqlite:///...), got {values['result_url']!r}"
+                f"sqlite:///...), got {redact_url(values['result_url'])!r}"
             )
         ttl, renew, drift = values["ttl"], values["renew_interval"], values["clock_drift"]
         if renew is not None:

@@ -8,6 +8,8 @@ with the setting's name, not at the first claim. Stores call them from their
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -31,10 +33,50 @@ def scheme_of(url: str) -> str:
 
 def redact_url(url: str) -> str:
     """``url`` with its password and password-like query parameters masked
-    (:func:`celery_lease.redaction.redact`), for logs, errors and CLI output."""
-    from celery_lease.redaction import redact
+    (:func:`celery_lease.redaction.redact_url`), for logs, errors and CLI output."""
+    from celery_lease.redaction import redact_url as redact
 
     return redact(url)
+
+
+#: Why a URL was refused when its password is what the parser choked on.
+_USERINFO_FAULT = "its user info does not parse (percent-encode @ : / ? # ; in a password)"
+
+
+def _reason(
+    parse: Callable[[str], object], url: str, errors: tuple[type[Exception], ...] = (ValueError,)
+) -> str:
+    """Why ``parse`` refused ``url``, told from the redacted URL.
+
+    A parser quotes the part it choked on, and with a ``#``, ``/`` or ``;`` in
+    a password that part is the password's (urllib reads ``:pw#x@h`` as the
+    port ``pw``). So the redacted URL is parsed again, and its reason shown
+    only if all it quotes is in the redacted URL. Errors re-raised from a
+    parser's are raised ``from None``: a traceback prints the parser's message.
+    """
+    shown = redact_url(url)
+    try:
+        parse(shown)
+    except errors as again:
+        reason = str(again)
+        if all(quoted in shown for quoted in re.findall(r"'([^']*)'", reason)):
+            return reason
+    return _USERINFO_FAULT
+
+
+def _db_path(name: str, url: str, shown: str) -> None:
+    """Refuse a Redis URL (or one part of a list, shown as ``shown``) whose path
+    is not a database number, quoting the path only if the redacted URL has it
+    too: a ``/`` in a password starts the path."""
+    path = urlsplit(url).path.strip("/")
+    if path and not path.isdigit():
+        shown_path = urlsplit(redact_url(url)).path.strip("/")
+        if shown_path == path:
+            raise LeaseConfigError(
+                f"{name}: the path of {shown} must be a Redis database number "
+                f"(redis://host:6379/1), got {path!r}"
+            )
+        raise LeaseConfigError(f"{name}: {shown}: {_USERINFO_FAULT}")
 
 
 def check_redis_url(name: str, url: str) -> None:
@@ -44,18 +86,13 @@ def check_redis_url(name: str, url: str) -> None:
     shown = redact_url(url)
     try:
         parsed = parse_url(url)  # type: ignore[no-untyped-call]
-    except ValueError as e:
-        raise LeaseConfigError(f"{name}: cannot parse {shown}: {e}") from e
+    except ValueError:
+        raise LeaseConfigError(f"{name}: cannot parse {shown}: {_reason(parse_url, url)}") from None
     if scheme_of(url) == "unix":
         if not parsed.get("path"):
             raise LeaseConfigError(f"{name}: {shown} names no socket path (unix:///path)")
         return
-    path = urlsplit(url).path.strip("/")
-    if path and not path.isdigit():
-        raise LeaseConfigError(
-            f"{name}: the path of {shown} must be a Redis database number "
-            f"(redis://host:6379/1), got {path!r}"
-        )
+    _db_path(name, url, shown)
 
 
 def check_sql_url(name: str, url: str) -> None:
@@ -68,8 +105,9 @@ def check_sql_url(name: str, url: str) -> None:
     try:
         parsed = make_url(url)
         port = parsed.port
-    except (ArgumentError, ValueError) as e:
-        raise LeaseConfigError(f"{name}: cannot parse {shown}: {e}") from e
+    except (ArgumentError, ValueError):
+        reason = _reason(lambda u: make_url(u).port, url, (ArgumentError, ValueError))
+        raise LeaseConfigError(f"{name}: cannot parse {shown}: {reason}") from None
     if port is not None and not 0 < port < 65536:
         raise LeaseConfigError(f"{name}: port {port} of {shown} is not a TCP port (1-65535)")
     if scheme.startswith("sqlite") and (parsed.database or "") in ("", ":memory:"):
@@ -137,19 +175,17 @@ def _node(
     try:
         split = urlsplit(part)
         node_port = split.port or port
-    except ValueError as e:
-        raise LeaseConfigError(f"{name}: cannot parse {shown}: {e}") from e
+    except ValueError:
+        reason = _reason(lambda u: urlsplit(u).port, part)
+        raise LeaseConfigError(f"{name}: cannot parse {shown}: {reason}") from None
     if not split.hostname:
         raise LeaseConfigError(f"{name}: {shown} has a part naming no host")
     if split.query or split.fragment:
         raise LeaseConfigError(
             f"{name}: {shown}: client options go in lease_store_options, not the URL's query"
         )
+    _db_path(name, part, shown)
     path = split.path.strip("/")
-    if path and not path.isdigit():
-        raise LeaseConfigError(
-            f"{name}: the path of {shown} must be a Redis database number, got {path!r}"
-        )
     password = unquote(split.password) if split.password is not None else None
     user = unquote(split.username) if split.username else None
     return split.hostname, node_port, int(path) if path else None, user, password

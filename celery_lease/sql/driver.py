@@ -29,6 +29,7 @@ from celery_lease.exceptions import LeaseConfigError, LeaseError
 from celery_lease.sql.dialects import DIALECTS
 from celery_lease.sql.errors import translate_error
 from celery_lease.sql.pool import Conn, _Pool
+from celery_lease.urls import redact_url
 
 __all__ = ["Database", "database", "normalize_sql_url"]
 
@@ -90,11 +91,12 @@ class Database:
         try:
             parsed = make_url(self.url)
         except exc.ArgumentError as e:
-            raise LeaseConfigError(f"not a database URL: {url!r} ({e})") from e
+            # SQLAlchemy's reason quotes no part of the URL; the URL is shown redacted.
+            raise LeaseConfigError(f"not a database URL: {redact_url(url)!r} ({e})") from e
         self.dialect = parsed.get_backend_name()
         if self.dialect not in DIALECTS:
             raise LeaseConfigError(
-                f"unsupported database {self.dialect!r} in {url!r}: use "
+                f"unsupported database {self.dialect!r} in {redact_url(url)!r}: use "
                 "postgresql+psycopg://... or sqlite:///..."
             )
         #: This dialect's statements (celery_lease.sql.dialects.Dialect).

@@ -477,7 +477,9 @@ class LeaseStore(ABC):
 
 def _store_class(url: str) -> type[LeaseStore]:
     if not isinstance(url, str) or "://" not in url:
-        raise LeaseConfigError(f"a lease store URL looks like scheme://..., got {url!r}")
+        # Not quoted: without its scheme the redaction may not find its password.
+        got = "a string with no scheme://" if isinstance(url, str) else type(url).__name__
+        raise LeaseConfigError(f"a lease store URL looks like scheme://..., got {got}")
     scheme = scheme_of(url)
     store_cls = store_class(scheme)
     if store_cls is None:

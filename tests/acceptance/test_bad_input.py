@@ -103,7 +103,7 @@ BAD_SETTINGS: list[tuple[dict[str, Any], str]] = [
     ({"lease_metrics_port": "9808"}, r"lease_metrics_port must be a TCP port number, got '9808'"),
     ({"lease_metrics_addr": "0.0.0.0:9808"}, r"lease_metrics_addr must be an IP address or host name to listen on"),
     ({"lease_metrics_addr": 127001}, r"lease_metrics_addr must be an IP address or host name to listen on .*got 127001"),
-    ({"lease_store_options": "ssl"}, r"lease_store_options must be a dict of client options, got 'ssl'"),
+    ({"lease_store_options": "ssl"}, r"lease_store_options must be a dict of client options, got str"),
     (
         {"lease_store_url": "redis://127.0.0.1:1/0", "lease_store_options": {"socket_timout": 1}},
         r"lease_store_options\).*unexpected keyword argument 'socket_timout'",

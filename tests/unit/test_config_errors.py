@@ -127,7 +127,7 @@ CONFIG_ERRORS: list[tuple[dict[str, Any], str]] = [
     (
         {"lease_store_url": "localhost:6379"},
         r"lease_store_url must be a URL such as redis://host:6379/1, postgresql\+psycopg://host/db "
-        r"or sqlite:///path; got 'localhost:6379'",
+        r"or sqlite:///path; got a string with no scheme://$",
     ),
     (
         {"lease_result_url": "redis://127.0.0.1/1"},
