@@ -125,8 +125,7 @@ def _string(name: str, value: Any) -> str:
 
 def _url(name: str, value: Any) -> str:
     if not isinstance(value, str) or "://" not in value:
-        # The value is not quoted: a URL without its scheme, or one in a list,
-        # may hold a password the redaction cannot find.
+        # Not quoted: without its scheme, or in a list, its password escapes redaction.
         got = "a string with no scheme://" if isinstance(value, str) else type(value).__name__
         raise LeaseConfigError(
             f"{name} must be a URL such as redis://host:6379/1, "
