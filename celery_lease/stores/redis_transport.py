@@ -138,8 +138,11 @@ class ScriptTransport:
             tries += 1
             if tries > 1 and late is not None and not late.answered:
                 late.resend(conn)  # the connection failed before the late reply was read
+            # Once answered (read, or resent and read), the late command has no
+            # reply left on the connection: the next one is the command's own.
+            unread = late if late is not None and not late.answered else None
             try:
-                return _roundtrip(conn, command, script, then, late)
+                return _roundtrip(conn, command, script, then, unread)
             except RedisConnectionError:  # closed while idle: once more, reconnected
                 # connect() explicitly: a Sentinel connection asks the sentinels for
                 # the master there, while the reconnect inside a send (redis-py 8)
