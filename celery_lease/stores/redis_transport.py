@@ -9,7 +9,7 @@ more per call than the round trip itself.
 
 This is the one module that uses redis-py below its public command API
 (``Connection.pack_command``/``pack_commands``/``send_packed_command``/``read_response``/
-``disconnect``/``retry``, ``ConnectionPool.get_connection``/``release``) or
+``can_read``/``disconnect``/``retry``, ``ConnectionPool.get_connection``/``release``) or
 reads details that changed between redis-py versions (``get_connection``'s
 ``command_name``, an error's ``status_code``). ``tests/contract/test_redis_transport.py``
 runs it on a real Redis and pins the redis-py versions it was checked with
@@ -138,8 +138,11 @@ class ScriptTransport:
             tries += 1
             if tries > 1 and late is not None and not late.answered:
                 late.resend(conn)  # the connection failed before the late reply was read
+            # Once answered (read, or resent and read), the late command has no
+            # reply left on the connection: the next one is the command's own.
+            unread = late if late is not None and not late.answered else None
             try:
-                return _roundtrip(conn, command, script, then, late)
+                return _roundtrip(conn, command, script, then, unread)
             except RedisConnectionError:  # closed while idle: once more, reconnected
                 # connect() explicitly: a Sentinel connection asks the sentinels for
                 # the master there, while the reconnect inside a send (redis-py 8)
@@ -170,7 +173,8 @@ class ScriptTransport:
         restarted server) can leave the command undone until that later read.
         A connection that fails before the reply is read is reconnected and the
         command sent again, synchronously: only idempotent commands (a release)
-        may be sent this way.
+        may be sent this way. A kept connection the server closed while idle is
+        found before the send, and the command goes synchronously too.
         """
         command = (b"EVAL", script.script, len(keys), *keys, *args)
         if not self.direct:
@@ -184,6 +188,11 @@ class ScriptTransport:
         if late is not None:  # two in a row on one connection: the first one's reply now
             late.settle(self, conn)
         try:
+            if _closed(conn):
+                # A write to a socket the server closed succeeds, and the command
+                # would wait there, unsent, until the connection's next use: for an
+                # idle worker, the key would stay held for its whole TTL.
+                raise RedisConnectionError("closed by the server while idle")
             conn.send_packed_command(conn.pack_command(*command))
         except RedisError:  # not sent, or not whole: send it again, waiting for the reply
             conn.disconnect()
@@ -329,6 +338,21 @@ def server_reply(e: RedisError) -> tuple[str | None, str]:
         if word.isalpha() and word.isupper():
             return word, text
     return None, str(e)
+
+
+def _closed(conn: Any) -> bool:
+    """True if the server closed ``conn`` (or made it unusable) while it sat idle,
+    no reply due on it: an idle timeout, CLIENT KILL, a restart, a proxy's reset.
+
+    Polls the socket without waiting, as redis-py's pool does before lending a
+    connection; a disconnected ``conn`` is connected here (the send needs it),
+    and one that cannot be is reported closed. Bytes nobody asked for count
+    too: a reply left there would be read as the next command's.
+    """
+    try:
+        return bool(conn.can_read(timeout=0))
+    except RedisError:  # end of stream or a reset, or no connection to be made
+        return True
 
 
 def _roundtrip(

@@ -130,6 +130,39 @@ def test_a_kept_connection_the_server_closed_is_replaced(
     assert record is not None and record.owner_id == lease.owner_id
 
 
+@pytest.mark.parametrize("closed_by", ["client-kill", "idle-timeout"])
+@pytest.mark.parametrize("pending", [False, True], ids=["replies-read", "reply-pending"])
+def test_a_late_release_on_a_kept_connection_the_server_closed_is_done_at_once(
+    store: RedisLeaseStore, admin: redis.Redis, closed_by: str, pending: bool
+) -> None:
+    """The server closes the store's idle kept connection (CLIENT KILL, its
+    ``timeout`` setting; a proxy's idle timeout or a restart alike), then a
+    task's release goes without waiting: the key is free at once, with no
+    further store call (an idle worker makes none for as long as it idles)."""
+    first = store.claim("first", owner_id="a", ttl=30)
+    second = store.claim("second", owner_id="a", ttl=30)
+    assert first is not None and second is not None
+    failures: list[BaseException] = []
+    if pending:  # the previous task's release, its reply still unread
+        store.release_later(first, failures.append)
+    (kept,) = _store_connections(admin)
+    if closed_by == "client-kill":
+        assert admin.client_kill_filter(_id=kept["id"]) == 1
+    else:
+        admin.config_set("timeout", 1)
+    wait_for(lambda: not _store_connections(admin), 10, "the server to close the kept connection")
+    admin.config_set("timeout", 0)
+    store.release_later(second, failures.append)
+    wait_for(
+        lambda: admin.hget(store.lease_name("second"), "released") == b"1",
+        2,
+        "the late release to be done on the server",
+    )
+    if pending:
+        assert admin.hget(store.lease_name("first"), "released") == b"1"
+    assert failures == []
+
+
 def test_a_late_release_frees_the_key_before_its_reply_is_read(
     store: RedisLeaseStore, server: RedisServer
 ) -> None:
