@@ -44,8 +44,10 @@ __all__ = [
     "HEADER_NOT_BEFORE",
     "HEADER_TENANT",
     "authorize",
+    "header",
     "publish_headers",
     "resolve",
+    "resolve_request",
     "resolve_scoped",
 ]
 
@@ -65,6 +67,33 @@ HEADER_DELAY = "lease_delay"
 #: Prefix of the store markers of an outstanding deferral of a task id: in the
 #: reserved namespace no user key can reach (celery_lease.keys.scoped refuses it).
 DEFER_MARKER = INTERNAL_PREFIX + "defer/"
+
+
+def header(request: Any, name: str, default: Any = None) -> Any:
+    """The ``name`` header of a task's request: a worker sets it on the request itself,
+    ``Task.apply()`` (and so ``task_always_eager``) only in ``request.headers``."""
+    value = getattr(request, name, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(name)
+    return default if value is None else value
+
+
+def resolve_request(
+    task: LeasedTask,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    request: Any,
+    limits: KeyLimits,
+) -> tuple[list[str], str | None, list[str]]:
+    """:func:`resolve_scoped` for the call ``request`` runs, from its headers."""
+    return resolve_scoped(
+        task,
+        args,
+        kwargs,
+        header(request, HEADER_KEYS),
+        header(request, HEADER_TENANT),
+        limits,
+    )
 
 
 def resolve(
