@@ -46,6 +46,7 @@ __all__ = [
     "authorize",
     "header",
     "publish_headers",
+    "resent_headers",
     "resolve",
     "resolve_request",
     "resolve_scoped",
@@ -156,6 +157,21 @@ def publish_headers(
     headers[HEADER_KEYS] = keys
     headers[HEADER_TENANT] = tenant
     return headers
+
+
+def resent_headers(task: LeasedTask, headers: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The headers of a message re-sent from a request (a retry, a deferral), without
+    the ``lease_keys`` / ``lease_tenant`` the task's templates give: its arguments may
+    have changed (``self.retry(args=...)``), and the publish derives them again.
+    A header the task does not declare a template for is its only source: kept."""
+    if not headers:
+        return None if headers is None else dict(headers)
+    out = dict(headers)
+    if task.lease_key is not None:
+        out.pop(HEADER_KEYS, None)
+    if type(task)._lease_tenantspec is not None:
+        out.pop(HEADER_TENANT, None)
+    return out
 
 
 def authorize(

@@ -221,6 +221,55 @@ def test_calls_over_the_key_limits_are_refused_at_publish_and_in_the_worker(
     assert c.tasks.many.apply_async((100,)).get(timeout=40) == 100
 
 
+@pytest.mark.parametrize(
+    ("task", "kwargs", "headers", "held"),
+    [
+        # The templates give keys and tenant: the retry's come from its new arguments.
+        ("retry_scoped", {"tenant": A, "to_doc": "{d2}"}, None, ("{d2}", A)),
+        ("retry_scoped", {"tenant": A, "to_tenant": B}, None, ("{d1}", B)),
+        # A template gives the keys, a header the tenant: only the keys are recomputed.
+        ("retry_keyed", {"to_doc": "{d2}"}, {"lease_tenant": A}, ("{d2}", A)),
+        # No templates: the headers are the only scope, and the retry keeps them.
+        (
+            "retry_plain",
+            {"to_doc": "{d2}"},
+            {"lease_keys": ["{d1}"], "lease_tenant": A},
+            ("{d1}", A),
+        ),
+    ],
+    ids=["key-template", "tenant-template", "key-template+tenant-header", "headers-only"],
+)
+def test_a_retry_with_new_arguments_runs_under_the_scope_they_give(
+    cluster: Cluster,
+    task: str,
+    kwargs: dict[str, str],
+    headers: dict[str, object] | None,
+    held: tuple[str, str],
+) -> None:
+    """``self.retry(args=..., kwargs=...)`` re-sent the first message's ``lease_keys`` /
+    ``lease_tenant`` headers (Celery copies ``request.headers``) with arguments that gave
+    other ones: refused as ``LeaseScopeMismatch``, so Celery rejected the retry and the
+    work was lost."""
+    c = cluster
+    docs = {"d1": _doc(), "d2": _doc()}
+
+    def fill(value: object) -> object:
+        if isinstance(value, str):
+            return value.format(**docs)
+        if isinstance(value, list):
+            return [fill(v) for v in value]
+        return value
+
+    call = {"doc": docs["d1"], **{k: str(fill(v)) for k, v in kwargs.items()}}
+    # The task's own client: it writes the lease_keys / lease_tenant headers a retry copies.
+    res = getattr(c.tasks, task).apply_async(
+        kwargs=call, headers={k: fill(v) for k, v in (headers or {}).items()}
+    )
+    got = res.get(timeout=40)
+    key, tenant = str(fill(held[0])), held[1]
+    assert got == {"keys": [scoped(key, tenant)], "tries": 1}, got
+
+
 def test_a_negative_deferrals_header_does_not_escape_lease_defer_max(cluster: Cluster) -> None:
     """Item 7: ``lease_deferrals=-1000`` must not buy a thousand extra deferrals."""
     c = cluster
