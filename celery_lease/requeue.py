@@ -82,8 +82,11 @@ def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> N
     headers = dict(getattr(ex.req, "headers", None) or {})
     headers.update(
         {
-            HEADER_KEYS: ex.keys,
-            HEADER_TENANT: ex.tenant,
+            # As received: ex.keys / ex.tenant are normalised, and the copy's worker
+            # normalises header values again; template-given ones are dropped
+            # (LeasedTask.signature_from_request) and derived again at the publish.
+            HEADER_KEYS: header(ex.req, HEADER_KEYS),
+            HEADER_TENANT: header(ex.req, HEADER_TENANT),
             HEADER_DEFER_ID: defer_id,
             HEADER_DEFER_REPLACES: outcome.replaces,
             HEADER_DEFERRALS: deferrals,

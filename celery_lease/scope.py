@@ -9,7 +9,8 @@ The policy, the same at publish (``apply_async``) and in the worker:
   (:class:`LeaseScopeMismatch`), before anything is claimed or read.
 - What a task does not declare comes from the headers, both read together:
   ``lease_keys`` (else the default key, a hash of the arguments) and
-  ``lease_tenant`` (else unscoped). A malformed header is refused.
+  ``lease_tenant`` (else unscoped), each normalised by :func:`user_key` as a
+  template's are. A malformed header is refused.
 - Every call is held to ``lease_max_keys`` / ``lease_max_key_length``
   (:class:`KeyLimitExceeded`), and reserved keys (``t/...``,
   ``celery-lease/...``) are refused.
@@ -29,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from celery_lease.exceptions import LeaseScopeMismatch, LeaseUnauthorized
-from celery_lease.keys import INTERNAL_PREFIX, KeyLimits, check_limits, scoped
+from celery_lease.keys import INTERNAL_PREFIX, KeyLimits, check_limits, scoped, user_key
 
 if TYPE_CHECKING:
     from celery_lease.task import LeasedTask
@@ -150,12 +151,23 @@ def publish_headers(
     headers: dict[str, Any],
     limits: KeyLimits,
 ) -> dict[str, Any]:
-    """``headers`` with the call's keys and tenant filled in (or refused, as the worker would)."""
+    """``headers`` checked as the worker will check them (refused here if it would refuse
+    them), with the keys and tenant the task's templates give filled in.
+
+    A template's keys and tenant are written as stores hold them: the worker
+    compares them with what the arguments give. A caller's own header (the
+    only scope of a task without that template) is sent as given: the worker
+    normalises it (:func:`user_key`) once, and normalising twice would hash
+    a long key again. The default key (a hash of the arguments) is left for
+    the worker to derive from the same arguments.
+    """
     keys, tenant = resolve(
         task, args, kwargs, headers.get(HEADER_KEYS), headers.get(HEADER_TENANT), limits
     )
-    headers[HEADER_KEYS] = keys
-    headers[HEADER_TENANT] = tenant
+    if task.lease_key is not None:
+        headers[HEADER_KEYS] = keys
+    if type(task)._lease_tenantspec is not None:
+        headers[HEADER_TENANT] = tenant
     return headers
 
 
@@ -201,7 +213,9 @@ def _header_tenant(task: LeasedTask, value: Any, limits: KeyLimits) -> str | Non
             f"is a non-empty string), got {_short(value)}"
         )
     check_limits(task.name, [value], limits)
-    return value
+    # As a template's tenant is (KeySpec): a tenant in the shortened shape must
+    # not land in the scope of the tenant whose shortened form it imitates.
+    return user_key(value)
 
 
 def _header_keys(task: LeasedTask, value: Any, limits: KeyLimits) -> list[str]:
@@ -216,7 +230,7 @@ def _header_keys(task: LeasedTask, value: Any, limits: KeyLimits) -> list[str]:
         raise LeaseScopeMismatch(
             f"task {task.name!r}: the lease_keys header must hold non-empty strings"
         )
-    return keys
+    return [user_key(k) for k in keys]
 
 
 def _as_list(value: Any) -> list[Any] | None:

@@ -23,10 +23,10 @@ import redis
 
 import celery_lease
 from celery_lease import KeyLimitExceeded, LeaseConfigError, LeaseScopeMismatch
-from celery_lease.keys import scoped, shorten
+from celery_lease.keys import scoped, shorten, user_key
 from celery_lease.task import DEFER_MARKER
 from tests.sec_cluster import Cluster
-from tests.servers import RedisServer
+from tests.servers import RedisServer, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -268,6 +268,35 @@ def test_a_retry_with_new_arguments_runs_under_the_scope_they_give(
     got = res.get(timeout=40)
     key, tenant = str(fill(held[0])), held[1]
     assert got == {"keys": [scoped(key, tenant)], "tries": 1}, got
+
+
+@pytest.mark.parametrize("source", ["templates", "headers", "default-key"])
+def test_revoke_terminate_releases_the_key_the_execution_claimed(
+    cluster: Cluster, source: str
+) -> None:
+    """The ``task_revoked`` handler evicts the terminated task's lease under the store key
+    the execution claimed, whichever source gave its keys and tenant (a long key, so
+    a scope that skipped ``user_key`` would name another store key)."""
+    c = cluster
+    long_key = "long-" + "k" * 250 + uuid.uuid4().hex
+    if source == "templates":
+        res = c.tasks.work_for.apply_async((long_key, A, 30.0))
+    elif source == "headers":
+        res = c.tasks.sleep_plain.apply_async(
+            ("x", 30.0), headers={"lease_keys": [long_key], "lease_tenant": A}
+        )
+    else:
+        res = c.tasks.sleep_plain.apply_async((long_key, 30.0))
+    start = c.wait_row("start", res.id)
+    full = start.get("lease_key") or scoped(user_key(long_key), A)
+    record = c.store.inspect(full)
+    assert record is not None and record.live and record.task_id == res.id
+    c.app.control.revoke(res.id, terminate=True)
+    wait_for(
+        lambda: (lambda r: r is None or not r.live)(c.store.inspect(full)),
+        20,
+        "the terminated task's lease evicted",
+    )
 
 
 def test_a_negative_deferrals_header_does_not_escape_lease_defer_max(cluster: Cluster) -> None:

@@ -24,6 +24,8 @@
   ``tenantapp.retry_plain(doc, tries=0, to_doc="")`` (no templates): the first
   run retries once with ``doc`` / ``tenant`` replaced by ``to_doc`` /
   ``to_tenant``; the retry returns the keys it held.
+- ``tenantapp.sleep_plain(x, sleep)``: no templates; logs ``start`` with the
+  store key it holds, then sleeps.
 """
 
 from __future__ import annotations
@@ -177,6 +179,13 @@ def build_tenant(environ: Any) -> tuple[Any, Any]:
     def retry_plain(self: Any, doc: str, tries: int = 0, to_doc: str = "") -> Any:
         return retry_once(self, tries, doc=to_doc)
 
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tenantapp.sleep_plain")
+    def sleep_plain(self: Any, x: str, sleep: float) -> Any:
+        record(log, "start", task_id=self.request.id, lease_key=self.lease.key)
+        time.sleep(sleep)
+        return x
+
+    tasks.sleep_plain = sleep_plain
     tasks.retry_scoped = retry_scoped
     tasks.retry_keyed = retry_keyed
     tasks.retry_plain = retry_plain
