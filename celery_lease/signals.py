@@ -161,7 +161,7 @@ def _revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> No
 
     task = getattr(request, "task", None)
     app = getattr(task, "app", None)
-    if app is None or not hasattr(type(task), "_lease_keyspec"):
+    if task is None or app is None or not hasattr(type(task), "_lease_keyspec"):
         return  # not a leased task: no stores to build for it
     headers = getattr(request, "_request_dict", {}) or {}
     try:
