@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery_lease.exceptions import LeaseScopeMismatch, LeaseUnauthorized
+from celery_lease.exceptions import LeaseConfigError, LeaseScopeMismatch, LeaseUnauthorized
 from celery_lease.keys import INTERNAL_PREFIX, KeyLimits, check_limits, scoped, user_key
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ __all__ = [
     "resolve",
     "resolve_request",
     "resolve_scoped",
+    "store_key",
 ]
 
 HEADER_KEYS = "lease_keys"
@@ -142,6 +143,20 @@ def resolve_scoped(
         keys = _header_keys(task, header_keys, limits)
     # scoped() also refuses reserved keys (t/..., celery-lease/...).
     return keys, tenant, [scoped(key, tenant) for key in keys]
+
+
+def store_key(key: str, tenant: str | None) -> tuple[str, str | None]:
+    """A key and tenant as a task names them (its ``lease_key``'s output, a header,
+    ``accepted(key=...)``, the CLI's KEY and ``--tenant``) as stores hold them: the
+    store key, and the tenant as the result table records it. Every direct-key read
+    goes through here, so it reads the record the task wrote, and a key in the
+    shortened shape never reads the long key it imitates."""
+    if not isinstance(key, str) or not key:
+        raise LeaseConfigError(f"a lease key is a non-empty string, got {key!r}")
+    if tenant is not None and (not isinstance(tenant, str) or not tenant):
+        raise LeaseConfigError(f"a tenant is a non-empty string, got {tenant!r}")
+    normal = None if tenant is None else user_key(tenant)
+    return scoped(user_key(key), normal), normal
 
 
 def publish_headers(

@@ -44,7 +44,7 @@ from celery_lease.scope import HEADER_DELAY as HEADER_DELAY
 from celery_lease.scope import HEADER_KEYS as HEADER_KEYS
 from celery_lease.scope import HEADER_NOT_BEFORE as HEADER_NOT_BEFORE
 from celery_lease.scope import HEADER_TENANT as HEADER_TENANT
-from celery_lease.scope import publish_headers, resent_headers
+from celery_lease.scope import publish_headers, resent_headers, store_key
 
 __all__ = ["LeasedTask", "Runtime", "runtime"]
 
@@ -210,11 +210,13 @@ class LeasedTask(Task):  # type: ignore[misc]
             and "key" not in fields
             and set(kwargs) <= {"key", "tenant"}
         ):
-            key, tenant = kwargs["key"], kwargs.get("tenant")
+            # The key as the task names it: normalised like the templates' output.
+            full, tenant = store_key(kwargs["key"], kwargs.get("tenant"))
         else:
             key = spec.keys_for_lookup(args, kwargs)[0]
             tenant = tenant_spec.keys_for_lookup(args, kwargs)[0] if tenant_spec else None
-        return runtime(self.app).results.accepted(scoped(key, tenant), tenant)
+            full = scoped(key, tenant)
+        return runtime(self.app).results.accepted(full, tenant)
 
     @property
     def lease(self) -> HeldLease | LocalLease | None:

@@ -299,6 +299,68 @@ def test_revoke_terminate_releases_the_key_the_execution_claimed(
     )
 
 
+def _read_result(c: Cluster, path: str, key: str, tenant: str) -> object:
+    """The accepted value's tag read by one direct-key path, or None if it finds nothing."""
+    import json
+
+    if path == "accepted":
+        got = c.tasks.report_for.accepted(key=key, tenant=tenant)
+        return None if got is None else got.value["tag"]
+    code, out, err = c.cli_here("results", key, "--tenant", tenant, "--json")
+    assert code in (0, 3), (out, err)
+    rows = json.loads(out) if code == 0 else []
+    return rows[0]["value"]["tag"] if rows else None
+
+
+@pytest.mark.parametrize("path", ["accepted", "cli-results"])
+def test_a_direct_key_read_finds_the_key_the_task_stored(cluster: Cluster, path: str) -> None:
+    """``accepted(key=..., tenant=...)`` and ``lease results KEY --tenant T`` scoped the key
+    without ``user_key``: a tenant's long key was missed, and a key in the shortened shape
+    read the result of the long key it imitates."""
+    c = cluster
+    long_doc = "long-" + "d" * 250 + uuid.uuid4().hex
+    forged = shorten(long_doc)
+    for doc, tag in ((long_doc, "long"), (forged, "forged")):
+        c.tasks.report_for.apply_async((doc, A), {"tag": tag}).get(timeout=40)
+    assert _read_result(c, path, long_doc, A) == "long"
+    assert _read_result(c, path, forged, A) == "forged"
+    assert _read_result(c, path, long_doc, B) is None
+
+
+@pytest.mark.parametrize("path", ["show", "show-stored", "release"])
+def test_a_direct_key_lease_command_finds_the_key_the_task_holds(
+    cluster: Cluster, path: str
+) -> None:
+    """``lease show|release KEY --tenant T`` named a tenant's long key in another form
+    than the task held it under; ``--stored`` takes the key as ``lease list`` prints it."""
+    import json
+
+    c = cluster
+    long_key = "long-" + "k" * 250 + uuid.uuid4().hex
+    res = c.tasks.work_for.apply_async((long_key, A, 30.0))
+    c.wait_row("start", res.id)
+    full = scoped(user_key(long_key), A)
+    listed = json.loads(c.cli_here("list", "--tenant", A, "--json")[1])
+    assert full in {r["key"] for r in listed}
+    try:
+        if path == "release":
+            code, out, err = c.cli_here("release", long_key, "--tenant", A, "--force", "--json")
+            assert code == 0 and json.loads(out)["evicted"]["task_id"] == res.id, (out, err)
+            return
+        args = (
+            ("show", full, "--stored")
+            if path == "show-stored"
+            else ("show", long_key, "--tenant", A)
+        )
+        code, out, err = c.cli_here(*args, "--json")
+        assert code == 0, (out, err)
+        assert json.loads(out)["task_id"] == res.id
+        # The stored form is not a task's key: read as one, it names another key.
+        assert c.cli_here("show", full, "--tenant", A)[0] == 3
+    finally:
+        c.app.control.revoke(res.id, terminate=True)
+
+
 def test_a_negative_deferrals_header_does_not_escape_lease_defer_max(cluster: Cluster) -> None:
     """Item 7: ``lease_deferrals=-1000`` must not buy a thousand extra deferrals."""
     c = cluster
