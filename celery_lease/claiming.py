@@ -18,7 +18,7 @@ from celery_lease import decide, metrics
 from celery_lease.decide import Act
 from celery_lease.exceptions import StoreUnavailable
 from celery_lease.renewal import HeldLease
-from celery_lease.scope import HEADER_DELAY, HEADER_NOT_BEFORE
+from celery_lease.scope import HEADER_DELAY, HEADER_NOT_BEFORE, header
 from celery_lease.stores.base import new_owner_id
 
 if TYPE_CHECKING:
@@ -116,11 +116,11 @@ def _wait_until_not_before(ex: Execution) -> None:
     """A deferred copy that arrived early (this worker's clock runs ahead of
     the store's, so Celery's ETA passed too soon) waits out the rest here,
     before claiming, instead of deferring again at once, over and over."""
-    delay = getattr(ex.req, HEADER_DELAY, None)
+    delay = header(ex.req, HEADER_DELAY)
     if isinstance(delay, (int, float)) and not isinstance(delay, bool) and delay > 0:
         time.sleep(min(float(delay), ex.opts.ttl + 1.0))
         return
-    not_before = getattr(ex.req, HEADER_NOT_BEFORE, None)
+    not_before = header(ex.req, HEADER_NOT_BEFORE)
     if not isinstance(not_before, (int, float)) or isinstance(not_before, bool):
         return
     try:

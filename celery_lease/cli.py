@@ -21,8 +21,9 @@ from celery.bin.base import CeleryCommand
 
 from celery_lease.config import config
 from celery_lease.exceptions import LeaseError
-from celery_lease.keys import scoped
+from celery_lease.keys import INTERNAL_PREFIX, scoped, user_key
 from celery_lease.results import AcceptedResult, ResultTable
+from celery_lease.scope import store_key
 from celery_lease.stores.base import LeaseRecord, LeaseStore
 from celery_lease.urls import redact_url
 
@@ -81,6 +82,25 @@ def _result_json(r: AcceptedResult) -> dict[str, Any]:
 
 tenant_option = click.option("--tenant", default=None, help="Tenant scope of the key.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+stored_option = click.option(
+    "--stored",
+    is_flag=True,
+    help="KEY is a store key exactly as `lease list` prints it (its tenant included).",
+)
+
+
+def _store_key(key: str, tenant: str | None, stored: bool) -> str:
+    """KEY as stores hold it: a task's key (normalised as the task's own are, in
+    --tenant's scope), or with --stored the store key verbatim."""
+    if not stored:
+        return store_key(key, tenant)[0]
+    if tenant is not None:
+        click.echo("Error: --stored takes the key with its tenant; drop --tenant", err=True)
+        raise SystemExit(2)
+    if key.startswith(INTERNAL_PREFIX):
+        click.echo(f"Error: {key!r} is one of celery-lease's own records", err=True)
+        raise SystemExit(2)
+    return key
 
 
 @click.group(name="lease")
@@ -104,6 +124,7 @@ def list_(
         records = store.list(prefix, expired=expired)
     else:
         scoped(prefix or "-", tenant)  # refuses a tenant no scope could have
+        tenant = user_key(tenant)  # as tasks record it (a long tenant is shortened)
         # The scope's prefix, and the record's own tenant: a shortened key's
         # prefix alone could be cut inside a long tenant's name.
         scope = f"t/{len(tenant)}:{tenant}/{prefix}"
@@ -128,13 +149,15 @@ def list_(
 @lease.command(cls=CeleryCommand)
 @click.argument("key")
 @tenant_option
+@stored_option
 @json_option
 @click.pass_context
 @_errors
-def show(ctx: click.Context, key: str, tenant: str | None, as_json: bool) -> None:
-    """One key's lease record and fence."""
+def show(ctx: click.Context, key: str, tenant: str | None, stored: bool, as_json: bool) -> None:
+    """One key's lease record and fence: KEY as the task names it (with --tenant),
+    or with --stored as `lease list` prints it."""
     store, _ = _stores(ctx)
-    record = store.inspect(scoped(key, tenant))
+    record = store.inspect(_store_key(key, tenant, stored))
     if record is None:
         click.echo(f"Error: no lease on record for {key!r}", err=True)
         raise SystemExit(NOT_FOUND)
@@ -172,7 +195,8 @@ def show(ctx: click.Context, key: str, tenant: str | None, as_json: bool) -> Non
 def results(ctx: click.Context, key: str, tenant: str | None, limit: int, as_json: bool) -> None:
     """Accepted results for KEY, newest first."""
     _, table = _stores(ctx)
-    rows = table.history(scoped(key, tenant), tenant, limit)
+    full, tenant = store_key(key, tenant)
+    rows = table.history(full, tenant, limit)
     if as_json:
         click.echo(json.dumps([_result_json(r) for r in rows], indent=2))
         return
@@ -193,11 +217,14 @@ def results(ctx: click.Context, key: str, tenant: str | None, limit: int, as_jso
 @lease.command(cls=CeleryCommand)
 @click.argument("key")
 @tenant_option
+@stored_option
 @click.option("--force", is_flag=True, help="Required: evict whoever holds the key.")
 @json_option
 @click.pass_context
 @_errors
-def release(ctx: click.Context, key: str, tenant: str | None, force: bool, as_json: bool) -> None:
+def release(
+    ctx: click.Context, key: str, tenant: str | None, stored: bool, force: bool, as_json: bool
+) -> None:
     """Evict KEY's live lease and advance its fence.
 
     The evicted body is not stopped: it keeps running until it next checks
@@ -211,7 +238,7 @@ def release(ctx: click.Context, key: str, tenant: str | None, force: bool, as_js
     from celery_lease import metrics
 
     store, table = _stores(ctx)
-    full = scoped(key, tenant)
+    full = _store_key(key, tenant, stored)
     record = store.inspect(full)
     # By the token read: a lease granted after the read is never the one evicted,
     # and a key with no live lease keeps its fence (an evict without a token

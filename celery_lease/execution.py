@@ -52,13 +52,7 @@ from celery_lease.renewal import HeldLease, renewer
 from celery_lease.requeue import deferrals_of, republish
 from celery_lease.results import MetaRecord, Prepared, encode_result
 from celery_lease.runtime import runtime
-from celery_lease.scope import (
-    DEFER_MARKER,
-    HEADER_KEYS,
-    HEADER_TENANT,
-    authorize,
-    resolve_scoped,
-)
+from celery_lease.scope import DEFER_MARKER, authorize, resolve_request
 
 if TYPE_CHECKING:
     from celery_lease.task import LeasedTask
@@ -95,13 +89,8 @@ class Execution:
         self.hostname: str | None = self.req.hostname
         # Templates first, headers checked against them (celery_lease.scope):
         # a publisher's headers never override the task's own definition.
-        self.keys, self.tenant, self.scoped = resolve_scoped(
-            task,
-            args,
-            kwargs,
-            getattr(self.req, HEADER_KEYS, None),
-            getattr(self.req, HEADER_TENANT, None),
-            self.cfg.limits,
+        self.keys, self.tenant, self.scoped = resolve_request(
+            task, args, kwargs, self.req, self.cfg.limits
         )
         self.key = self.scoped[0]
         self.meta = {

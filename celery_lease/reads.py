@@ -14,7 +14,7 @@ from celery_lease.appstate import app_state
 from celery_lease.decide import BackendState, EndAnswer, Ended, Failed, Holder, Newer, Read
 from celery_lease.exceptions import LeaseError, StoreUnavailable
 from celery_lease.results import AcceptedResult
-from celery_lease.scope import HEADER_DEFER_ID
+from celery_lease.scope import HEADER_DEFER_ID, header
 from celery_lease.stores.base import LeaseRecord
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class Reads:
         that does not mark redeliveries, every copy is checked.
         """
         req = self.ex.req
-        if getattr(req, HEADER_DEFER_ID, None) or getattr(req, "retries", 0):
+        if header(req, HEADER_DEFER_ID) or getattr(req, "retries", 0):
             return True
         info = getattr(req, "delivery_info", None) or {}
         if info.get("redelivered") or getattr(req, "redelivered", False):

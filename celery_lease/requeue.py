@@ -42,6 +42,7 @@ from celery_lease.scope import (
     HEADER_KEYS,
     HEADER_NOT_BEFORE,
     HEADER_TENANT,
+    header,
 )
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 def deferrals_of(req: Any) -> int:
     """A copy's counted deferrals so far (a header anyone may set: never below 0)."""
-    value = getattr(req, HEADER_DEFERRALS, 0)
+    value = header(req, HEADER_DEFERRALS, 0)
     if isinstance(value, bool):
         return 0
     try:
@@ -70,8 +71,8 @@ def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> N
         # The Redis transport restores (and so multiplies) countdown messages
         # held past its visibility timeout.
         countdown = min(countdown, vt / 2)
-    own = getattr(ex.req, HEADER_DEFER_ID, None)
-    replaces = getattr(ex.req, HEADER_DEFER_REPLACES, None)
+    own = header(ex.req, HEADER_DEFER_ID)
+    replaces = header(ex.req, HEADER_DEFER_REPLACES)
     outcome = ex.decide(decide.decide_republish, decide.Republish(own, replaces))
     if outcome.act is Act.DROP:
         # Another copy of this task id is deferred already: drop this one.
@@ -81,8 +82,11 @@ def republish(ex: Execution, countdown: float, reason: str, deferrals: int) -> N
     headers = dict(getattr(ex.req, "headers", None) or {})
     headers.update(
         {
-            HEADER_KEYS: ex.keys,
-            HEADER_TENANT: ex.tenant,
+            # As received: ex.keys / ex.tenant are normalised, and the copy's worker
+            # normalises header values again; template-given ones are dropped
+            # (LeasedTask.signature_from_request) and derived again at the publish.
+            HEADER_KEYS: header(ex.req, HEADER_KEYS),
+            HEADER_TENANT: header(ex.req, HEADER_TENANT),
             HEADER_DEFER_ID: defer_id,
             HEADER_DEFER_REPLACES: outcome.replaces,
             HEADER_DEFERRALS: deferrals,

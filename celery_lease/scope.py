@@ -9,7 +9,8 @@ The policy, the same at publish (``apply_async``) and in the worker:
   (:class:`LeaseScopeMismatch`), before anything is claimed or read.
 - What a task does not declare comes from the headers, both read together:
   ``lease_keys`` (else the default key, a hash of the arguments) and
-  ``lease_tenant`` (else unscoped). A malformed header is refused.
+  ``lease_tenant`` (else unscoped), each normalised by :func:`user_key` as a
+  template's are. A malformed header is refused.
 - Every call is held to ``lease_max_keys`` / ``lease_max_key_length``
   (:class:`KeyLimitExceeded`), and reserved keys (``t/...``,
   ``celery-lease/...``) are refused.
@@ -28,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery_lease.exceptions import LeaseScopeMismatch, LeaseUnauthorized
-from celery_lease.keys import INTERNAL_PREFIX, KeyLimits, check_limits, scoped
+from celery_lease.exceptions import LeaseConfigError, LeaseScopeMismatch, LeaseUnauthorized
+from celery_lease.keys import INTERNAL_PREFIX, KeyLimits, check_limits, scoped, user_key
 
 if TYPE_CHECKING:
     from celery_lease.task import LeasedTask
@@ -44,9 +45,13 @@ __all__ = [
     "HEADER_NOT_BEFORE",
     "HEADER_TENANT",
     "authorize",
+    "header",
     "publish_headers",
+    "resent_headers",
     "resolve",
+    "resolve_request",
     "resolve_scoped",
+    "store_key",
 ]
 
 HEADER_KEYS = "lease_keys"
@@ -65,6 +70,33 @@ HEADER_DELAY = "lease_delay"
 #: Prefix of the store markers of an outstanding deferral of a task id: in the
 #: reserved namespace no user key can reach (celery_lease.keys.scoped refuses it).
 DEFER_MARKER = INTERNAL_PREFIX + "defer/"
+
+
+def header(request: Any, name: str, default: Any = None) -> Any:
+    """The ``name`` header of a task's request: a worker sets it on the request itself,
+    ``Task.apply()`` (and so ``task_always_eager``) only in ``request.headers``."""
+    value = getattr(request, name, None)
+    if value is None:
+        value = (getattr(request, "headers", None) or {}).get(name)
+    return default if value is None else value
+
+
+def resolve_request(
+    task: LeasedTask,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    request: Any,
+    limits: KeyLimits,
+) -> tuple[list[str], str | None, list[str]]:
+    """:func:`resolve_scoped` for the call ``request`` runs, from its headers."""
+    return resolve_scoped(
+        task,
+        args,
+        kwargs,
+        header(request, HEADER_KEYS),
+        header(request, HEADER_TENANT),
+        limits,
+    )
 
 
 def resolve(
@@ -113,6 +145,20 @@ def resolve_scoped(
     return keys, tenant, [scoped(key, tenant) for key in keys]
 
 
+def store_key(key: str, tenant: str | None) -> tuple[str, str | None]:
+    """A key and tenant as a task names them (its ``lease_key``'s output, a header,
+    ``accepted(key=...)``, the CLI's KEY and ``--tenant``) as stores hold them: the
+    store key, and the tenant as the result table records it. Every direct-key read
+    goes through here, so it reads the record the task wrote, and a key in the
+    shortened shape never reads the long key it imitates."""
+    if not isinstance(key, str) or not key:
+        raise LeaseConfigError(f"a lease key is a non-empty string, got {key!r}")
+    if tenant is not None and (not isinstance(tenant, str) or not tenant):
+        raise LeaseConfigError(f"a tenant is a non-empty string, got {tenant!r}")
+    normal = None if tenant is None else user_key(tenant)
+    return scoped(user_key(key), normal), normal
+
+
 def publish_headers(
     task: LeasedTask,
     args: Sequence[Any],
@@ -120,13 +166,39 @@ def publish_headers(
     headers: dict[str, Any],
     limits: KeyLimits,
 ) -> dict[str, Any]:
-    """``headers`` with the call's keys and tenant filled in (or refused, as the worker would)."""
+    """``headers`` checked as the worker will check them (refused here if it would refuse
+    them), with the keys and tenant the task's templates give filled in.
+
+    A template's keys and tenant are written as stores hold them: the worker
+    compares them with what the arguments give. A caller's own header (the
+    only scope of a task without that template) is sent as given: the worker
+    normalises it (:func:`user_key`) once, and normalising twice would hash
+    a long key again. The default key (a hash of the arguments) is left for
+    the worker to derive from the same arguments.
+    """
     keys, tenant = resolve(
         task, args, kwargs, headers.get(HEADER_KEYS), headers.get(HEADER_TENANT), limits
     )
-    headers[HEADER_KEYS] = keys
-    headers[HEADER_TENANT] = tenant
+    if task.lease_key is not None:
+        headers[HEADER_KEYS] = keys
+    if type(task)._lease_tenantspec is not None:
+        headers[HEADER_TENANT] = tenant
     return headers
+
+
+def resent_headers(task: LeasedTask, headers: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The headers of a message re-sent from a request (a retry, a deferral), without
+    the ``lease_keys`` / ``lease_tenant`` the task's templates give: its arguments may
+    have changed (``self.retry(args=...)``), and the publish derives them again.
+    A header the task does not declare a template for is its only source: kept."""
+    if not headers:
+        return None if headers is None else dict(headers)
+    out = dict(headers)
+    if task.lease_key is not None:
+        out.pop(HEADER_KEYS, None)
+    if type(task)._lease_tenantspec is not None:
+        out.pop(HEADER_TENANT, None)
+    return out
 
 
 def authorize(
@@ -156,7 +228,9 @@ def _header_tenant(task: LeasedTask, value: Any, limits: KeyLimits) -> str | Non
             f"is a non-empty string), got {_short(value)}"
         )
     check_limits(task.name, [value], limits)
-    return value
+    # As a template's tenant is (KeySpec): a tenant in the shortened shape must
+    # not land in the scope of the tenant whose shortened form it imitates.
+    return user_key(value)
 
 
 def _header_keys(task: LeasedTask, value: Any, limits: KeyLimits) -> list[str]:
@@ -171,7 +245,7 @@ def _header_keys(task: LeasedTask, value: Any, limits: KeyLimits) -> list[str]:
         raise LeaseScopeMismatch(
             f"task {task.name!r}: the lease_keys header must hold non-empty strings"
         )
-    return keys
+    return [user_key(k) for k in keys]
 
 
 def _as_list(value: Any) -> list[Any] | None:

@@ -154,24 +154,37 @@ def _process_shutdown(**kwargs: Any) -> None:
 def _revoked(request: Any = None, terminated: bool = False, **kwargs: Any) -> None:
     if not terminated or request is None:
         return
+    from celery_lease.config import config
+    from celery_lease.exceptions import LeaseError
     from celery_lease.runtime import runtime
-    from celery_lease.scope import HEADER_KEYS, HEADER_TENANT
+    from celery_lease.scope import HEADER_KEYS, HEADER_TENANT, resolve
 
     task = getattr(request, "task", None)
     app = getattr(task, "app", None)
-    if app is None:
-        return
+    if task is None or app is None or not hasattr(type(task), "_lease_keyspec"):
+        return  # not a leased task: no stores to build for it
     headers = getattr(request, "_request_dict", {}) or {}
-    keys = headers.get(HEADER_KEYS) or []
-    if not keys:
-        return  # not a leased task's message: no stores to build for it
-    release_terminated(runtime(app).store, keys, headers.get(HEADER_TENANT), request.id)
+    try:
+        # The keys the execution claimed, resolved as it resolved them.
+        keys, tenant = resolve(
+            task,
+            request.args or (),
+            request.kwargs or {},
+            headers.get(HEADER_KEYS),
+            headers.get(HEADER_TENANT),
+            config(app).limits,
+        )
+    except LeaseError:
+        return  # the execution refused the same message: it claimed nothing
+    release_terminated(runtime(app).store, keys, tenant, request.id)
 
 
 def release_terminated(
     store: LeaseStore, keys: Iterable[Any], tenant: str | None, task_id: str
 ) -> list[str]:
     """Evict the leases a terminated task ``task_id`` still holds; the keys evicted.
+
+    ``keys`` and ``tenant`` as :func:`celery_lease.scope.resolve` gives them.
 
     Only the lease read here, by its token: SIGTERM went out before this
     runs, so the child may still have committed and released, and a new

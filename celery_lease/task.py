@@ -44,7 +44,7 @@ from celery_lease.scope import HEADER_DELAY as HEADER_DELAY
 from celery_lease.scope import HEADER_KEYS as HEADER_KEYS
 from celery_lease.scope import HEADER_NOT_BEFORE as HEADER_NOT_BEFORE
 from celery_lease.scope import HEADER_TENANT as HEADER_TENANT
-from celery_lease.scope import publish_headers
+from celery_lease.scope import publish_headers, resent_headers, store_key
 
 __all__ = ["LeasedTask", "Runtime", "runtime"]
 
@@ -161,6 +161,17 @@ class LeasedTask(Task):  # type: ignore[misc]
             args, kwargs, task_id, producer, link, link_error, shadow, headers=headers, **options
         )
 
+    def signature_from_request(
+        self, request: Any = None, args: Any = None, kwargs: Any = None, **options: Any
+    ) -> Any:
+        """Celery's copy of a request (``retry``, and our own deferrals), with the
+        scope headers the templates give left for :meth:`apply_async` to derive
+        from the copy's arguments, which ``self.retry(args=...)`` may change."""
+        sig = super().signature_from_request(request, args, kwargs, **options)
+        if "headers" in sig.options:
+            sig.options["headers"] = resent_headers(self, sig.options["headers"])
+        return sig
+
     def lease_keys_for(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[str]:
         """The lease keys of a call with these arguments (unscoped)."""
         return self._spec().keys(args, kwargs)
@@ -199,11 +210,13 @@ class LeasedTask(Task):  # type: ignore[misc]
             and "key" not in fields
             and set(kwargs) <= {"key", "tenant"}
         ):
-            key, tenant = kwargs["key"], kwargs.get("tenant")
+            # The key as the task names it: normalised like the templates' output.
+            full, tenant = store_key(kwargs["key"], kwargs.get("tenant"))
         else:
             key = spec.keys_for_lookup(args, kwargs)[0]
             tenant = tenant_spec.keys_for_lookup(args, kwargs)[0] if tenant_spec else None
-        return runtime(self.app).results.accepted(scoped(key, tenant), tenant)
+            full = scoped(key, tenant)
+        return runtime(self.app).results.accepted(full, tenant)
 
     @property
     def lease(self) -> HeldLease | LocalLease | None:

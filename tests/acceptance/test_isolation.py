@@ -23,10 +23,10 @@ import redis
 
 import celery_lease
 from celery_lease import KeyLimitExceeded, LeaseConfigError, LeaseScopeMismatch
-from celery_lease.keys import scoped, shorten
+from celery_lease.keys import scoped, shorten, user_key
 from celery_lease.task import DEFER_MARKER
 from tests.sec_cluster import Cluster
-from tests.servers import RedisServer
+from tests.servers import RedisServer, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -219,6 +219,146 @@ def test_calls_over_the_key_limits_are_refused_at_publish_and_in_the_worker(
     )
     assert ok.get(timeout=40)["keys"] == [scoped(f"{prefix}a", A)]
     assert c.tasks.many.apply_async((100,)).get(timeout=40) == 100
+
+
+@pytest.mark.parametrize(
+    ("task", "kwargs", "headers", "held"),
+    [
+        # The templates give keys and tenant: the retry's come from its new arguments.
+        ("retry_scoped", {"tenant": A, "to_doc": "{d2}"}, None, ("{d2}", A)),
+        ("retry_scoped", {"tenant": A, "to_tenant": B}, None, ("{d1}", B)),
+        # A template gives the keys, a header the tenant: only the keys are recomputed.
+        ("retry_keyed", {"to_doc": "{d2}"}, {"lease_tenant": A}, ("{d2}", A)),
+        # No templates: the headers are the only scope, and the retry keeps them.
+        (
+            "retry_plain",
+            {"to_doc": "{d2}"},
+            {"lease_keys": ["{d1}"], "lease_tenant": A},
+            ("{d1}", A),
+        ),
+    ],
+    ids=["key-template", "tenant-template", "key-template+tenant-header", "headers-only"],
+)
+def test_a_retry_with_new_arguments_runs_under_the_scope_they_give(
+    cluster: Cluster,
+    task: str,
+    kwargs: dict[str, str],
+    headers: dict[str, object] | None,
+    held: tuple[str, str],
+) -> None:
+    """``self.retry(args=..., kwargs=...)`` re-sent the first message's ``lease_keys`` /
+    ``lease_tenant`` headers (Celery copies ``request.headers``) with arguments that gave
+    other ones: refused as ``LeaseScopeMismatch``, so Celery rejected the retry and the
+    work was lost."""
+    c = cluster
+    docs = {"d1": _doc(), "d2": _doc()}
+
+    def fill(value: object) -> object:
+        if isinstance(value, str):
+            return value.format(**docs)
+        if isinstance(value, list):
+            return [fill(v) for v in value]
+        return value
+
+    call = {"doc": docs["d1"], **{k: str(fill(v)) for k, v in kwargs.items()}}
+    # The task's own client: it writes the lease_keys / lease_tenant headers a retry copies.
+    res = getattr(c.tasks, task).apply_async(
+        kwargs=call, headers={k: fill(v) for k, v in (headers or {}).items()}
+    )
+    got = res.get(timeout=40)
+    key, tenant = str(fill(held[0])), held[1]
+    assert got == {"keys": [scoped(key, tenant)], "tries": 1}, got
+
+
+@pytest.mark.parametrize("source", ["templates", "headers", "default-key"])
+def test_revoke_terminate_releases_the_key_the_execution_claimed(
+    cluster: Cluster, source: str
+) -> None:
+    """The ``task_revoked`` handler evicts the terminated task's lease under the store key
+    the execution claimed, whichever source gave its keys and tenant (a long key, so
+    a scope that skipped ``user_key`` would name another store key)."""
+    c = cluster
+    long_key = "long-" + "k" * 250 + uuid.uuid4().hex
+    if source == "templates":
+        res = c.tasks.work_for.apply_async((long_key, A, 30.0))
+    elif source == "headers":
+        res = c.tasks.sleep_plain.apply_async(
+            ("x", 30.0), headers={"lease_keys": [long_key], "lease_tenant": A}
+        )
+    else:
+        res = c.tasks.sleep_plain.apply_async((long_key, 30.0))
+    start = c.wait_row("start", res.id)
+    full = start.get("lease_key") or scoped(user_key(long_key), A)
+    record = c.store.inspect(full)
+    assert record is not None and record.live and record.task_id == res.id
+    c.app.control.revoke(res.id, terminate=True)
+    wait_for(
+        lambda: (lambda r: r is None or not r.live)(c.store.inspect(full)),
+        20,
+        "the terminated task's lease evicted",
+    )
+
+
+def _read_result(c: Cluster, path: str, key: str, tenant: str) -> object:
+    """The accepted value's tag read by one direct-key path, or None if it finds nothing."""
+    import json
+
+    if path == "accepted":
+        got = c.tasks.report_for.accepted(key=key, tenant=tenant)
+        return None if got is None else got.value["tag"]
+    code, out, err = c.cli_here("results", key, "--tenant", tenant, "--json")
+    assert code in (0, 3), (out, err)
+    rows = json.loads(out) if code == 0 else []
+    return rows[0]["value"]["tag"] if rows else None
+
+
+@pytest.mark.parametrize("path", ["accepted", "cli-results"])
+def test_a_direct_key_read_finds_the_key_the_task_stored(cluster: Cluster, path: str) -> None:
+    """``accepted(key=..., tenant=...)`` and ``lease results KEY --tenant T`` scoped the key
+    without ``user_key``: a tenant's long key was missed, and a key in the shortened shape
+    read the result of the long key it imitates."""
+    c = cluster
+    long_doc = "long-" + "d" * 250 + uuid.uuid4().hex
+    forged = shorten(long_doc)
+    for doc, tag in ((long_doc, "long"), (forged, "forged")):
+        c.tasks.report_for.apply_async((doc, A), {"tag": tag}).get(timeout=40)
+    assert _read_result(c, path, long_doc, A) == "long"
+    assert _read_result(c, path, forged, A) == "forged"
+    assert _read_result(c, path, long_doc, B) is None
+
+
+@pytest.mark.parametrize("path", ["show", "show-stored", "release"])
+def test_a_direct_key_lease_command_finds_the_key_the_task_holds(
+    cluster: Cluster, path: str
+) -> None:
+    """``lease show|release KEY --tenant T`` named a tenant's long key in another form
+    than the task held it under; ``--stored`` takes the key as ``lease list`` prints it."""
+    import json
+
+    c = cluster
+    long_key = "long-" + "k" * 250 + uuid.uuid4().hex
+    res = c.tasks.work_for.apply_async((long_key, A, 30.0))
+    c.wait_row("start", res.id)
+    full = scoped(user_key(long_key), A)
+    listed = json.loads(c.cli_here("list", "--tenant", A, "--json")[1])
+    assert full in {r["key"] for r in listed}
+    try:
+        if path == "release":
+            code, out, err = c.cli_here("release", long_key, "--tenant", A, "--force", "--json")
+            assert code == 0 and json.loads(out)["evicted"]["task_id"] == res.id, (out, err)
+            return
+        args = (
+            ("show", full, "--stored")
+            if path == "show-stored"
+            else ("show", long_key, "--tenant", A)
+        )
+        code, out, err = c.cli_here(*args, "--json")
+        assert code == 0, (out, err)
+        assert json.loads(out)["task_id"] == res.id
+        # The stored form is not a task's key: read as one, it names another key.
+        assert c.cli_here("show", full, "--tenant", A)[0] == 3
+    finally:
+        c.app.control.revoke(res.id, terminate=True)
 
 
 def test_a_negative_deferrals_header_does_not_escape_lease_defer_max(cluster: Cluster) -> None:

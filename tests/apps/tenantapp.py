@@ -18,6 +18,14 @@
   and a duplicate (the failure messages a tenant's caller sees);
 - ``tenantapp.plain(x)``: no templates at all (default key; headers scope it);
 - ``tenantapp.many(n)``: a key callable giving ``n`` keys.
+- ``tenantapp.retry_scoped(doc, tenant, tries=0, to_doc="", to_tenant="")``
+  (``lease_key="{doc}"``, ``lease_tenant="{tenant}"``), ``tenantapp.retry_keyed``
+  (the same without ``lease_tenant``: a header scopes it) and
+  ``tenantapp.retry_plain(doc, tries=0, to_doc="")`` (no templates): the first
+  run retries once with ``doc`` / ``tenant`` replaced by ``to_doc`` /
+  ``to_tenant``; the retry returns the keys it held.
+- ``tenantapp.sleep_plain(x, sleep)``: no templates; logs ``start`` with the
+  store key it holds, then sleeps.
 """
 
 from __future__ import annotations
@@ -140,6 +148,47 @@ def build_tenant(environ: Any) -> tuple[Any, Any]:
     def once_for(self: Any, doc: str, tenant: str, sleep: float = 0.0, tag: str = "") -> Any:
         return {**_body(self, doc, sleep, tag, log), "tenant": tenant}
 
+    def retry_once(self: Any, tries: int, **changes: Any) -> Any:
+        if tries == 0:
+            moved = {k: v for k, v in changes.items() if v}
+            kwargs = {**self.request.kwargs, **moved, "tries": 1}
+            raise self.retry(args=(), kwargs=kwargs, countdown=0)
+        record(log, "start", task_id=self.request.id, token=self.lease.token)
+        return {"keys": list(self.lease.keys), "tries": tries}
+
+    @app.task(
+        base=LeasedTask,
+        bind=True,
+        shared=False,
+        name="tenantapp.retry_scoped",
+        lease_key="{doc}",
+        lease_tenant="{tenant}",
+    )
+    def retry_scoped(
+        self: Any, doc: str, tenant: str, tries: int = 0, to_doc: str = "", to_tenant: str = ""
+    ) -> Any:
+        return retry_once(self, tries, doc=to_doc, tenant=to_tenant)
+
+    @app.task(
+        base=LeasedTask, bind=True, shared=False, name="tenantapp.retry_keyed", lease_key="{doc}"
+    )
+    def retry_keyed(self: Any, doc: str, tries: int = 0, to_doc: str = "") -> Any:
+        return retry_once(self, tries, doc=to_doc)
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tenantapp.retry_plain")
+    def retry_plain(self: Any, doc: str, tries: int = 0, to_doc: str = "") -> Any:
+        return retry_once(self, tries, doc=to_doc)
+
+    @app.task(base=LeasedTask, bind=True, shared=False, name="tenantapp.sleep_plain")
+    def sleep_plain(self: Any, x: str, sleep: float) -> Any:
+        record(log, "start", task_id=self.request.id, lease_key=self.lease.key)
+        time.sleep(sleep)
+        return x
+
+    tasks.sleep_plain = sleep_plain
+    tasks.retry_scoped = retry_scoped
+    tasks.retry_keyed = retry_keyed
+    tasks.retry_plain = retry_plain
     tasks.once_for = once_for
     tasks.report_for = report_for
     tasks.guarded = guarded
