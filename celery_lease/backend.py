@@ -56,8 +56,11 @@ message header of the same name is a string). With it:
   ``update_state``, a SUCCESS the execution stores itself) carries the
   lease's token and is fenced by it in one statement (``meta_fenced``):
   refused over a record whose token is larger (a newer owner of the task id
-  wrote it) and over a SUCCESS (Celery's rule, which its key-value code
-  checks with a read before the write, made atomic), logged and counted
+  wrote it), by a newer grant of the lease's keys registered in this
+  database before that owner wrote anything (:func:`lease_writer`; the
+  statement's comment says which grants count), and over a SUCCESS
+  (Celery's rule, which its key-value code checks with a read before the
+  write, made atomic), logged and counted
   (``celery_lease_backend_writes_refused``), never raised into the worker;
 - when this backend's database is the fenced result table's, the fenced
   commit writes the task's SUCCESS record (:meth:`LeaseBackend.success_record`:
