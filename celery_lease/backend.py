@@ -56,8 +56,11 @@ message header of the same name is a string). With it:
   ``update_state``, a SUCCESS the execution stores itself) carries the
   lease's token and is fenced by it in one statement (``meta_fenced``):
   refused over a record whose token is larger (a newer owner of the task id
-  wrote it) and over a SUCCESS (Celery's rule, which its key-value code
-  checks with a read before the write, made atomic), logged and counted
+  wrote it), by a newer grant of the lease's keys registered in this
+  database before that owner wrote anything (:func:`lease_writer`; the
+  statement's comment says which grants count), and over a SUCCESS
+  (Celery's rule, which its key-value code checks with a read before the
+  write, made atomic), logged and counted
   (``celery_lease_backend_writes_refused``), never raised into the worker;
 - when this backend's database is the fenced result table's, the fenced
   commit writes the task's SUCCESS record (:meth:`LeaseBackend.success_record`:
@@ -79,6 +82,7 @@ in the same statement.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +112,7 @@ __all__ = [
     "commit_record",
     "lease_backend_database",
     "lease_backend_url",
+    "lease_writer",
     "writer_of",
 ]
 
@@ -118,6 +123,9 @@ SCHEME = "lease"
 #: Keys read per statement by :meth:`LeaseBackend.mget` (SQLite binds at most
 #: 32,766 parameters; a group of any size stays under it).
 MGET_BATCH = 500
+
+#: Final states besides SUCCESS: refused only by a newer grant of the same task id.
+_FINAL = states.READY_STATES - {states.SUCCESS}
 
 _FORMS = "lease+postgresql+psycopg://host/db, lease+postgresql://host/db or lease+sqlite:///path"
 
@@ -178,13 +186,32 @@ class LeaseWriter:
 
     #: The lease's fencing token: every write of this backend for the request carries it.
     token: int
+    #: The lease's keys when this backend's database is the result table's,
+    #: whose lease and fence rows then know each key's newer grants (none:
+    #: only the row's token fences). See :func:`lease_writer`.
+    keys: tuple[str, ...] = ()
     #: Set when the fenced commit wrote the task's SUCCESS record in its
     #: transaction: how many children the request had then.
     committed_children: int | None = None
 
     def committed(self, request: Any) -> None:
-        """The fenced commit wrote ``request``'s SUCCESS record."""
+        """The fenced commit wrote ``request``'s SUCCESS record. Its keys are
+        dropped: the children Celery adds after the commit go into the accepted
+        SUCCESS, even once a newer grant of the key (another task id) registered."""
         self.committed_children = len(_children(request))
+        self.keys = ()
+
+
+def lease_writer(task: Any, lease: Any, results_db: Database) -> LeaseWriter:
+    """The :class:`LeaseWriter` of an execution holding ``lease`` (its
+    ``token`` and ``keys``): with the keys only in a ``lease+`` backend whose
+    database is ``results_db``, the result table's. There the claims of the
+    key register their tokens (the lease rows of leases in that database, the
+    fence rows of leases elsewhere); in another database the rows of the same
+    names say nothing of these grants, and only the record's token fences."""
+    backend = task.backend
+    same = isinstance(backend, LeaseBackend) and backend.db is results_db
+    return LeaseWriter(lease.token, tuple(lease.keys) if same else ())
 
 
 #: The request attribute that holds a :class:`LeaseWriter`.
@@ -389,14 +416,18 @@ class LeaseBackend(KeyValueStoreBackend):  # type: ignore[misc]
             return result
         meta = self._task_meta(task_id, result, state, traceback, request)
         key = _text(self.get_key_for_task(task_id))
+        keys = list(writer.keys)
         params = {
             "key": key,
             "value": _text(self.encode(meta)),
             "ttl": _seconds(self._expires(state)),
             "token": writer.token,
+            "task_id": bytes_to_str(task_id),  # type: ignore[no-untyped-call]
+            "keys": json.dumps(keys) if self.db.is_sqlite else keys,
         }
+        kind = "success" if state == states.SUCCESS else "final" if state in _FINAL else "active"
         with self.db.single() as conn:
-            written = conn.execute(self.db.sql.meta_fenced[state == states.SUCCESS], params).first()
+            written = conn.execute(self.db.sql.meta_fenced[kind], params).first()
         if written is None:
             self._refused(key, state, writer.token)
         return result

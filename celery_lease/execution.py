@@ -8,7 +8,7 @@ result-backend state themselves (so ``AsyncResult.get()`` returns or raises), se
 custom event last (so Flower shows the custom state), and ``raise Ignore``. A copy of a
 task id whose own execution owns the result never writes the backend.
 
-Once it holds its lease, the execution puts a ``LeaseWriter`` (its token) on
+Once it holds its lease, the execution puts a ``LeaseWriter`` (token, keys) on
 its request, which a ``lease+`` result backend fences every write of the
 request by (other backends ignore it); see :mod:`celery_lease.backend`.
 
@@ -34,7 +34,7 @@ from celery.exceptions import Ignore, Retry
 from celery.states import STARTED
 
 from celery_lease import decide, events, metrics
-from celery_lease.backend import WRITER_ATTR, LeaseWriter, commit_record, writer_of
+from celery_lease.backend import WRITER_ATTR, commit_record, lease_writer, writer_of
 from celery_lease.claiming import claim, jitter
 from celery_lease.config import config
 from celery_lease.decide import Act, Outcome, Read
@@ -113,7 +113,7 @@ class Execution:
     def run(self) -> Any:
         authorize(self.task, self.tenant, self.keys, self.args, self.kwargs)
         held = self.held = self.claim()
-        setattr(self.req, WRITER_ATTR, LeaseWriter(held.token))  # kept for the tracer's writes
+        setattr(self.req, WRITER_ATTR, lease_writer(self.task, held, self.rt.results.db))
         finished = False
         try:
             # Renewed from the grant on: the look-up and the STARTED write below can

@@ -20,8 +20,10 @@ from celery_lease.sql.meta_queries import (
     _META_GET,
     _META_INCR,
     _META_MGET,
+    _META_NEWER_REGISTERED,
     _META_SET,
     _OVER_SUCCESS,
+    IN_KEYS,
     STATUS,
 )
 from celery_lease.sql.queries import (
@@ -44,7 +46,11 @@ from celery_lease.sql.queries import (
     pyformat,
 )
 
-__all__ = ["DIALECTS", "Dialect", "key_params", "rendered"]
+__all__ = ["DIALECTS", "FENCED_KINDS", "Dialect", "key_params", "rendered"]
+
+#: The kinds of a leased task's state write (``Dialect.meta_fenced``): a
+#: SUCCESS, another final state (FAILURE, REVOKED), a state that is not final.
+FENCED_KINDS = ("success", "final", "active")
 
 
 class Dialect:
@@ -95,12 +101,19 @@ class Dialect:
         status = STATUS[name].format(col="m.value")
         #: Upsert a key's value and expiry (never over a leased task's SUCCESS).
         self.meta_set = _META_SET.format(now=now, status=status)
-        #: A leased task's state write, fenced by its token, by "is a SUCCESS".
+        #: A leased task's state write, fenced by its token, by the state's kind
+        #: (:data:`FENCED_KINDS`): SUCCESS, another final state, any other.
+        in_keys = IN_KEYS[name]
         self.meta_fenced = {
-            success: _META_FENCED.format(
-                now=now, over_success=_OVER_SUCCESS[success].format(status=status)
+            kind: _META_FENCED.format(
+                now=now,
+                in_keys=in_keys,
+                over_success=_OVER_SUCCESS[kind == "success"].format(status=status),
+                registered=""
+                if kind != "active"
+                else _META_NEWER_REGISTERED.format(in_keys=in_keys),
             )
-            for success in (True, False)
+            for kind in FENCED_KINDS
         }
         #: A row's token and state (what a refused write met).
         self.meta_fence = _META_FENCE.format(status=STATUS[name].format(col="value"))
@@ -213,8 +226,8 @@ def rendered(dialect: str) -> Iterator[tuple[str, str]]:
     for once, sql in d.result_insert_meta.items():
         yield f"result_insert_meta[once={once}]", sql
     yield "meta_set", d.meta_set
-    for success, sql in d.meta_fenced.items():
-        yield f"meta_fenced[success={success}]", sql
+    for kind, sql in d.meta_fenced.items():
+        yield f"meta_fenced[{kind}]", sql
     yield "meta_fence", d.meta_fence
     yield "meta_get", d.meta_get
     yield "meta_mget", d.meta_mget(1)

@@ -50,10 +50,20 @@ RETURNING key
 #: statement, over an unexpired row whose token is larger (a newer owner
 #: wrote it), and over an unexpired SUCCESS unless this write is a SUCCESS
 #: too (with a token at least the row's). The row takes the writer's token.
-#: No row returned: refused.
+#: An INSERT ... SELECT, so that the refusals that do not depend on the row
+#: refuse the insert too: a newer copy may have written nothing yet
+#: (``task_track_started`` off). Those are a lease row of one of the writer's
+#: keys (``:keys``, bound per dialect by ``{in_keys}``) granted to this task
+#: id (``:task_id``) with a larger token: a newer copy of the task id holds
+#: or held the key (leases in this database); and ``{registered}``. No row
+#: returned: refused.
 _META_FENCED = f"""
 INSERT INTO celery_lease_task_meta AS m (key, value, expires_at, token)
-VALUES (:key, :value, {{now}} + CAST(:ttl AS double precision), :token)
+SELECT :key, :value, {{now}} + CAST(:ttl AS double precision), :token
+WHERE NOT EXISTS (
+    SELECT 1 FROM celery_lease_leases AS l
+    WHERE l.lease_key {{in_keys}} AND l.fencing_token > :token AND l.task_id = :task_id
+){{registered}}
 ON CONFLICT (key) DO UPDATE SET
     value = excluded.value, expires_at = excluded.expires_at, token = excluded.token
 WHERE CASE WHEN {_EXPIRED} THEN TRUE
@@ -61,6 +71,23 @@ WHERE CASE WHEN {_EXPIRED} THEN TRUE
            ELSE {{over_success}} END
 RETURNING key
 """
+#: ``_META_FENCED``'s ``{registered}`` for a state that is not final (STARTED,
+#: RETRY, a custom state): refused too when a fence row of the writer's keys
+#: holds a larger token (registered by any newer grant of the key, whichever
+#: task id it ran: the fence row does not say). Never for a final state: when
+#: the newer grant ran another task id, nobody else writes this task id's
+#: outcome, and a refusal would leave it PENDING for ever.
+_META_NEWER_REGISTERED = """
+  AND NOT EXISTS (
+    SELECT 1 FROM celery_lease_fences AS fe
+    WHERE fe.resource {in_keys} AND fe.fencing_token > :token
+)"""
+#: ``{in_keys}``: one of the writer's keys, any number of them in one text:
+#: a bound array (PostgreSQL) or a bound JSON array (SQLite).
+IN_KEYS = {
+    "postgresql": "= ANY(CAST(:keys AS text[]))",
+    "sqlite": "IN (SELECT value FROM json_each(:keys))",
+}
 #: ``_META_FENCED``'s last condition: a SUCCESS may replace a SUCCESS, nothing else may.
 _OVER_SUCCESS = {True: "TRUE", False: "COALESCE({status}, '') <> 'SUCCESS'"}
 #: What a refused write met: the row's token and state (for the log line).

@@ -18,6 +18,10 @@ not set: it defaults to the backend's database), with the leases in Redis
    token) and after it committed (SUCCESS, its value and token). Also for a
    ``lease_commit=False`` task, whose stale SUCCESS Celery itself would have
    written over the newer owner's STARTED (and then kept over its SUCCESS).
+   Both with ``task_track_started`` on and off: off, the newer copy has
+   written nothing, and its registered grant refuses the stale write (with
+   the leases in Redis a final state still lands: a documented gap, strict
+   xfail).
 3. One truth for every reader, with the workers sending events to a real
    Flower: for a chord over leased tasks and for a task id whose first copy
    went stale, ``AsyncResult.get()``, the backend's row, ``celery -A ... lease
@@ -237,10 +241,29 @@ def test_canvas_on_success_records_written_by_the_commit(
 # -- 2. a stale copy writes nothing over the newer owner -----------------------------
 
 
-@pytest.fixture(scope="module", params=STORES, ids=IDS)
+@pytest.fixture(
+    scope="module",
+    params=[(s, t) for s in STORES for t in ("1", "0")],
+    ids=[f"{i}-track{t}" for i in IDS for t in ("1", "0")],
+)
 def pair_workers(request: pytest.FixtureRequest, deploy: Callable[..., Deployment]) -> Deployment:
-    """Workers ``a`` (queue ``qa``) and ``b`` (``qb``), 2 s leases."""
-    return deploy(request.param, "a", "b", CL_TTL="2")
+    """Workers ``a`` (queue ``qa``) and ``b`` (``qb``), 2 s leases, with
+    ``task_track_started`` on and off: off (Celery's default), the newer copy
+    writes nothing before its commit, and no record of its is there to fence by."""
+    store, track = request.param
+    return deploy(store, "a", "b", CL_TTL="2", CL_TRACK_STARTED=track)
+
+
+def tracks_started(d: Deployment) -> bool:
+    return d.env.get("CL_TRACK_STARTED", "1") == "1"
+
+
+def final_state_gap(d: Deployment, request: pytest.FixtureRequest) -> None:
+    """docs/result-backend.md, "What is not fenced": with the leases outside the
+    result database and no STARTED, a lapsed copy's final state still lands
+    until the newer copy writes (strict: this fails loudly once it is closed)."""
+    if not tracks_started(d) and d.store_url.startswith("redis"):
+        request.applymarker(pytest.mark.xfail(strict=True, reason="documented gap"))
 
 
 @pytest.fixture
@@ -273,7 +296,10 @@ def a_pauses_b_takes_over(d: Deployment, task: Any, key: str, b_sleep: float) ->
     s2 = d.wait_row("start", task_id, "B")
     assert s2["token"] > s1["token"]
     row = meta_row(d.db, task_id)
-    assert row is not None and (row["status"], row["token"]) == (states.STARTED, s2["token"])
+    if tracks_started(d):
+        assert row is not None and (row["status"], row["token"]) == (states.STARTED, s2["token"])
+    else:
+        assert row is None, "B writes nothing before its commit"
     assert _state(a.pid) == "T"
     return task_id
 
@@ -284,8 +310,12 @@ def refusal(d: Deployment, task_id: str, state: str) -> Callable[[], bool]:
 
 
 @pytest.mark.parametrize("resume", ["while-B-works", "after-B-commits"])
-def test_a_stale_copy_writes_nothing_over_the_newer_owner(pair: Deployment, resume: str) -> None:
+def test_a_stale_copy_writes_nothing_over_the_newer_owner(
+    pair: Deployment, resume: str, request: pytest.FixtureRequest
+) -> None:
     d = pair
+    if resume == "while-B-works":
+        final_state_gap(d, request)
     key = f"stale-{uuid.uuid4().hex}"
     task_id = a_pauses_b_takes_over(
         d, d.tasks.report, key, 6.0 if resume == "while-B-works" else 0.5
@@ -304,10 +334,13 @@ def test_a_stale_copy_writes_nothing_over_the_newer_owner(pair: Deployment, resu
     wait_for(refusal(d, task_id, states.FAILURE), 10, "A's worker to log the refusal")
     if resume == "while-B-works":
         assert not d.rows("end", task_id, "B"), "B must still be working"
-        assert before is not None and (before["status"], before["token"]) == (
-            states.STARTED,
-            b_token,
-        )
+        if tracks_started(d):
+            assert before is not None and (before["status"], before["token"]) == (
+                states.STARTED,
+                b_token,
+            )
+        else:
+            assert before is None
         value = d.app.AsyncResult(task_id).get(timeout=30)
     row = meta_row(d.db, task_id)
     assert row is not None
@@ -316,11 +349,14 @@ def test_a_stale_copy_writes_nothing_over_the_newer_owner(pair: Deployment, resu
     assert accepted is not None and (accepted.token, accepted.value) == (b_token, value)
 
 
-def test_a_stale_lock_only_copy_cannot_replace_the_newer_owners_result(pair: Deployment) -> None:
+def test_a_stale_lock_only_copy_cannot_replace_the_newer_owners_result(
+    pair: Deployment, request: pytest.FixtureRequest
+) -> None:
     """``lease_commit=False``: no commit, the tracer writes SUCCESS. A stale copy's
     SUCCESS over the newer owner's STARTED would then also keep the newer
     owner's own SUCCESS out (Celery never overwrites a SUCCESS)."""
     d = pair
+    final_state_gap(d, request)
     key = f"lock-{uuid.uuid4().hex}"
     task_id = a_pauses_b_takes_over(d, d.tasks.lock_only, key, 6.0)
     b_token = d.rows("start", task_id, "B")[0]["token"]
@@ -330,7 +366,9 @@ def test_a_stale_lock_only_copy_cannot_replace_the_newer_owners_result(pair: Dep
     refused = refusal(d, task_id, states.SUCCESS)
     wait_for(lambda: refused() or meta_row(d.db, task_id) != before, 10, "A's SUCCESS write")
     row = meta_row(d.db, task_id)
-    assert row == before and (row["status"], row["token"]) == (states.STARTED, b_token)
+    assert row == before
+    if tracks_started(d):
+        assert row is not None and (row["status"], row["token"]) == (states.STARTED, b_token)
     assert refused(), "A's worker logs the refusal"
     assert not d.rows("end", task_id, "B"), "B must still be working"
     value = d.app.AsyncResult(task_id).get(timeout=30)
