@@ -17,6 +17,12 @@ groups (``GroupResult.save``/``restore``), ``forget``, ``get_many`` (one
 ``IN`` read per poll, so ``join_native``), and chords through Celery's own
 counter: every header member ends with an atomic ``incr`` of the chord's
 key, and the member that reads the header's size publishes the callback.
+A member counts once: two copies of one leased task id can both reach that
+end (a stale lock-only copy finishing after a newer one; a redelivery storing
+the accepted value while the committer's tracer still runs), and a second
+count would send the callback before the last member finished. So a copy
+whose state write the fence refused counts nothing, and the count marks the
+task id in its transaction (``meta_once``): a mark already there, no count.
 :class:`~celery.backends.base.BaseBackend` (what Celery's own SQL backend
 uses) would mean re-implementing the state, group and chord methods, and its
 chords fall back to ``celery.chord_unlock``, a task that polls the header
@@ -84,6 +90,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -91,18 +98,24 @@ from typing import Any
 
 from celery import states
 from celery.backends.base import KeyValueStoreBackend
-from celery.exceptions import BackendGetMetaError, ImproperlyConfigured
+from celery.exceptions import BackendGetMetaError
 from kombu.utils.encoding import bytes_to_str
 
 from celery_lease import metrics
-from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
+from celery_lease.backend_url import (
+    SCHEME,
+    LeaseBackendConfigError,
+    check_backend_url,
+    lease_backend_database,
+    lease_backend_url,
+)
+from celery_lease.exceptions import StoreUnavailable
 from celery_lease.result_commit import MetaRecord
 from celery_lease.sql import Database, database
 from celery_lease.sql import meta_queries as mq
 from celery_lease.sql.dialects import key_params
 from celery_lease.sql.migrate import ensure_schema
-from celery_lease.stores.registry import is_sql_url
-from celery_lease.urls import check_sql_url, redact_url, scheme_of
+from celery_lease.urls import redact_url
 
 __all__ = [
     "SCHEME",
@@ -118,61 +131,15 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: The backend's name in ``result_backend`` (``lease+<database URL>``).
-SCHEME = "lease"
+#: The chord member this thread is counting (:meth:`LeaseBackend.incr`).
+_counting = threading.local()
+
 #: Keys read per statement by :meth:`LeaseBackend.mget` (SQLite binds at most
 #: 32,766 parameters; a group of any size stays under it).
 MGET_BATCH = 500
 
 #: Final states besides SUCCESS: refused only by a newer grant of the same task id.
 _FINAL = states.READY_STATES - {states.SUCCESS}
-
-_FORMS = "lease+postgresql+psycopg://host/db, lease+postgresql://host/db or lease+sqlite:///path"
-
-
-class LeaseBackendConfigError(LeaseConfigError, ImproperlyConfigured):  # type: ignore[misc]
-    """The ``lease+`` result backend is misconfigured (its URL, its serializer).
-
-    Both a :class:`~celery_lease.exceptions.LeaseConfigError` and Celery's
-    ``ImproperlyConfigured``, so either family's handler catches it.
-    """
-
-
-def lease_backend_url(app: Any) -> str | None:
-    """The database URL of ``app``'s result backend if it is this one, else None.
-
-    Read from the settings (``result_backend``), without building the backend.
-    """
-    setting = app.backend_cls or app.conf.result_backend
-    if isinstance(setting, str) and setting.lower().startswith(SCHEME + "+"):
-        return setting.split("+", 1)[1]
-    return None
-
-
-def lease_backend_database(app: Any) -> str | None:
-    """:func:`lease_backend_url` if it is an SQL database URL (``lease_result_url``'s
-    default), else None (a wrong one fails when the backend is built)."""
-    url = lease_backend_url(app)
-    return url if url is not None and is_sql_url(url) else None
-
-
-def check_backend_url(url: str | None) -> str:
-    """``url`` (the part after ``lease+``) if it names a PostgreSQL or SQLite
-    database, else a :class:`LeaseBackendConfigError` saying the URL forms."""
-    if not url or "://" not in url:
-        raise LeaseBackendConfigError(
-            f"result_backend: the lease backend needs a database URL after 'lease+': {_FORMS}"
-        )
-    if scheme_of(url) == SCHEME or not is_sql_url(url):
-        raise LeaseBackendConfigError(
-            f"result_backend: lease+{redact_url(url)} is not a PostgreSQL or SQLite "
-            f"database URL: {_FORMS}"
-        )
-    try:
-        check_sql_url("result_backend", url)
-    except LeaseConfigError as e:
-        raise LeaseBackendConfigError(str(e)) from e
-    return url
 
 
 @dataclass
@@ -193,6 +160,9 @@ class LeaseWriter:
     #: Set when the fenced commit wrote the task's SUCCESS record in its
     #: transaction: how many children the request had then.
     committed_children: int | None = None
+    #: The request's last fenced write was refused: its chord part, if any, is
+    #: the copy's whose state stands (:meth:`LeaseBackend.on_chord_part_return`).
+    refused: bool = False
 
     def committed(self, request: Any) -> None:
         """The fenced commit wrote ``request``'s SUCCESS record. Its keys are
@@ -382,11 +352,31 @@ class LeaseBackend(KeyValueStoreBackend):  # type: ignore[misc]
 
         A transaction rather than an autocommit statement: a statement is sent
         again only when its connection died before the transaction committed,
-        so a lost reply never counts one chord member twice.
+        so a lost reply never counts one chord member twice. Counting a chord
+        member (:meth:`on_chord_part_return`), the transaction first marks its
+        task id; a member marked already returns 0: below any header's size,
+        so Celery sends nothing and only renews the chord's expiries.
         """
+        member = getattr(_counting, "member", None)
         with self.db.transaction() as conn:
+            if member is not None:
+                mark = {"key": f"{_text(key)}.{member}", "ttl": _seconds(self.chord_expires)}
+                if conn.execute(self.db.sql.meta_once, mark).first() is None:
+                    return 0
             value = conn.execute(self.db.sql.meta_incr, {"key": _text(key)}).scalar_one()
         return int(value)
+
+    def on_chord_part_return(self, request: Any, state: str, result: Any, **kwargs: Any) -> Any:
+        """Celery's chord count, each header member once (the module's docstring)."""
+        writer = writer_of(request)
+        if writer is not None and writer.refused:
+            logger.info("result backend: %s's state was refused: no chord count", request.id)
+            return None
+        _counting.member = getattr(request, "id", None)
+        try:
+            return super().on_chord_part_return(request, state, result, **kwargs)
+        finally:
+            _counting.member = None
 
     def expire(self, key: str, value: Any) -> None:
         """Make ``key`` expire ``value`` seconds from now (0 or None: never)."""
@@ -428,6 +418,7 @@ class LeaseBackend(KeyValueStoreBackend):  # type: ignore[misc]
         kind = "success" if state == states.SUCCESS else "final" if state in _FINAL else "active"
         with self.db.single() as conn:
             written = conn.execute(self.db.sql.meta_fenced[kind], params).first()
+        writer.refused = written is None
         if written is None:
             self._refused(key, state, writer.token)
         return result

@@ -426,7 +426,7 @@ class Config:
             )
         store_url = values["store_url"]
         if values["result_url"] is None:
-            from celery_lease.backend import lease_backend_database
+            from celery_lease.backend_url import lease_backend_database
 
             # The lease+ backend's database first: the commit then writes the
             # accepted row and the task's state in one transaction.

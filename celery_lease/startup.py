@@ -69,7 +69,7 @@ def check_backend(app: Any) -> None:
     """Build a ``lease+`` result backend now: its settings (URL, ``result_serializer``)
     are checked when it is built, and a wrong one then refuses the start in one
     line instead of failing later, while Celery prints its banner."""
-    from celery_lease.backend import lease_backend_url
+    from celery_lease.backend_url import lease_backend_url
 
     if lease_backend_url(app) is not None:
         backend = app.backend
@@ -110,7 +110,7 @@ def databases(app: Any, cfg: Config) -> list[str]:
     Raises :class:`LeaseConfigError` for a ``lease+`` backend URL that names no
     PostgreSQL or SQLite database.
     """
-    from celery_lease.backend import check_backend_url, lease_backend_url
+    from celery_lease.backend_url import check_backend_url, lease_backend_url
     from celery_lease.sql.driver import normalize_sql_url
 
     urls = [cfg.result_url]

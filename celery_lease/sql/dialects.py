@@ -21,6 +21,7 @@ from celery_lease.sql.meta_queries import (
     _META_INCR,
     _META_MGET,
     _META_NEWER_REGISTERED,
+    _META_ONCE,
     _META_SET,
     _OVER_SUCCESS,
     IN_KEYS,
@@ -123,6 +124,8 @@ class Dialect:
         self.meta_get = _META_GET.format(now=now)
         #: Add one to a key's counter, returning it.
         self.meta_incr = _META_INCR.format(now=now)
+        #: Mark a key done once (a chord member's count), in the incr's transaction.
+        self.meta_once = _META_ONCE.format(now=now)
         #: Set an unexpired key's expiry.
         self.meta_expire = _META_EXPIRE.format(now=now)
         #: Delete the expired rows.
@@ -232,6 +235,7 @@ def rendered(dialect: str) -> Iterator[tuple[str, str]]:
     yield "meta_get", d.meta_get
     yield "meta_mget", d.meta_mget(1)
     yield "meta_incr", d.meta_incr
+    yield "meta_once", d.meta_once
     yield "meta_expire", d.meta_expire
     yield "meta_cleanup", d.meta_cleanup
     yield "release_in", d.release_in(1)

@@ -138,6 +138,16 @@ ON CONFLICT (key) DO UPDATE SET
                       THEN m.expires_at END
 RETURNING value
 """
+#: Mark ``:key`` done (a chord member's part: ``<counter>.<task id>``) for
+#: ``:ttl`` seconds, unless an unexpired mark is there: a row returned the
+#: first time only. Run in the counter's ``_META_INCR`` transaction.
+_META_ONCE = """
+INSERT INTO celery_lease_task_meta AS m (key, value, expires_at)
+VALUES (:key, '1', {now} + CAST(:ttl AS double precision))
+ON CONFLICT (key) DO UPDATE SET value = excluded.value, expires_at = excluded.expires_at
+WHERE m.expires_at IS NOT NULL AND m.expires_at <= {now}
+RETURNING key
+"""
 #: Set an unexpired key's expiry to ``:ttl`` seconds from now (NULL: never).
 _META_EXPIRE = """
 UPDATE celery_lease_task_meta SET expires_at = {now} + CAST(:ttl AS double precision)
