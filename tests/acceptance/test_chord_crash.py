@@ -20,7 +20,7 @@ the result database with the leases in Redis and in that database.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,37 +37,27 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.redis]
 DEPLOYMENTS = ["redis-backend", "lease-backend+redis-leases", "lease-backend+pg-leases"]
 
 
-@pytest.fixture(scope="module")
-def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"), appendonly=False)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.cleanup()
-
-
 @pytest.fixture(params=DEPLOYMENTS)
 def deployment(
     request: pytest.FixtureRequest,
-    redis: RedisServer,
+    make_redis_server: Callable[..., RedisServer],
     pg_server: PostgresServer,
     pg_url: str,
     tmp_path: Path,
 ) -> Iterator[tuple[dict[str, str], Any, Worker]]:
     celery_lease.migrate(pg_url)
-    n = DEPLOYMENTS.index(request.param)
+    redis = make_redis_server(appendonly=False)
     arm = tmp_path / "arm"
     arm.mkdir()
     env = {
-        "CL_BROKER": redis.url(3 * n),
-        "CL_STORE": pg_url if request.param.endswith("pg-leases") else redis.url(3 * n + 1),
+        "CL_BROKER": redis.url(0),
+        "CL_STORE": pg_url if request.param.endswith("pg-leases") else redis.url(1),
         "CL_LOG": str(tmp_path / "exec.log"),
         "CL_ARM_DIR": str(arm),
         "CL_TTL": "30",
     }
     if request.param == "redis-backend":
-        env |= {"CL_BACKEND": redis.url(3 * n + 2), "CL_RESULTS": pg_url}
+        env |= {"CL_BACKEND": redis.url(2), "CL_RESULTS": pg_url}
     else:
         env["CL_BACKEND"] = f"lease+{pg_url}"  # the result table's database
     app, tasks = build(env)

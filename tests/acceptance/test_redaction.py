@@ -20,7 +20,6 @@ celery-lease), so a path is shown where it is wrong, as any file path.
 from __future__ import annotations
 
 import json
-import socket
 import traceback
 import uuid
 from collections.abc import Iterator
@@ -35,20 +34,11 @@ from celery_lease import LeaseConfigError, LeaseStore, StoreUnavailable
 from celery_lease.redaction import MASK, redact
 from tests.event_capture import EventCapture
 from tests.sec_cluster import Cluster
-from tests.servers import RedisServer, wait_for
+from tests.servers import RedisServer, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
 SECRET = "s3cr3t-planted"
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound once, then freed)."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = int(s.getsockname()[1])
-    s.close()
-    return port
 
 
 def planted_urls(port: int) -> dict[str, str]:
@@ -112,7 +102,7 @@ def test_a_url_with_a_user_and_no_password_keeps_its_user() -> None:
 
 @pytest.mark.parametrize("kind", sorted(planted_urls(1)))
 def test_repr_and_errors_of_a_store_that_is_down_hide_the_secret(kind: str) -> None:
-    url = planted_urls(closed_port())[kind]
+    url = planted_urls(free_port())[kind]
     store = LeaseStore.from_url(url)
     try:
         assert_clean("repr(store)", repr(store))
@@ -189,7 +179,7 @@ def _cluster(
 def test_cli_list_show_and_migrate_with_an_unreachable_store_hide_the_secret(
     kind: str, broker: RedisServer, tmp_path: Path
 ) -> None:
-    url = planted_urls(closed_port())[kind]
+    url = planted_urls(free_port())[kind]
     results = url if kind.startswith("pg") else f"sqlite:///{tmp_path / 'r.sqlite3'}"
     c = _cluster(broker, tmp_path, url, results)
     try:
@@ -209,7 +199,7 @@ def test_cli_list_show_and_migrate_with_an_unreachable_store_hide_the_secret(
 def test_cli_migrate_of_an_unreachable_result_database_hides_the_secret(
     broker: RedisServer, tmp_path: Path
 ) -> None:
-    port = closed_port()
+    port = free_port()
     c = _cluster(broker, tmp_path, broker.url(2), planted_urls(port)["pg-userinfo"])
     try:
         done = c.cli("migrate")
@@ -250,7 +240,7 @@ def test_a_worker_whose_store_is_down_hides_the_secret_in_logs_and_events(
     kind: str, broker: RedisServer, tmp_path: Path, pg_url: str
 ) -> None:
     celery_lease.migrate(pg_url)
-    store_url = planted_urls(closed_port())[kind]
+    store_url = planted_urls(free_port())[kind]
     c = _cluster(broker, tmp_path, store_url, pg_url)
     try:
         c.worker(f"down-{kind}").start()

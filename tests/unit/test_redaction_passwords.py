@@ -13,7 +13,6 @@ trivial substring.
 
 from __future__ import annotations
 
-import socket
 import string
 import traceback
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from celery_lease import LeaseConfigError, LeaseError, LeaseStore
 from celery_lease.config import config
 from celery_lease.redaction import MASK, redact
 from celery_lease.urls import redact_url
+from tests.servers import free_port
 
 #: RFC 3986 user info: unreserved, sub-delims, ':' and percent-encodings.
 _RFC3986 = string.ascii_letters + string.digits + "-._~" + "!$&'()*+,;=" + ":"
@@ -43,15 +43,6 @@ _NO_SPACE = [c for c in _RFC3986 + _AWKWARD if not c.isspace()]
 def passwords(chars: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
     # "Zq" first: never a part of the rest of a URL, so a hit is the password.
     return st.lists(chars, min_size=4, max_size=16).map(lambda cs: "Zq" + "".join(cs))
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound once, then freed)."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = int(s.getsockname()[1])
-    s.close()
-    return port
 
 
 #: Every URL form the built-in stores accept with a password (urls.py,
@@ -127,7 +118,7 @@ def _fails(op: Callable[[], object]) -> BaseException | None:
 @example(form="redis", pw='x"S3cr3tPW')
 @example(form="postgresql+psycopg", pw="pa'S3cr3tPW")
 def test_a_store_that_is_down_hides_any_password(form: str, pw: str) -> None:
-    url = URL_FORMS[form].format(pw=pw, port=closed_port())
+    url = URL_FORMS[form].format(pw=pw, port=free_port())
     try:
         store = LeaseStore.from_url(url, **_FAST.get(form.split("-")[0], {}))
     except LeaseError as e:  # a password the client cannot read: refused, not shown
