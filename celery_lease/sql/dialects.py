@@ -24,6 +24,7 @@ from celery_lease.sql.meta_queries import (
     _META_ONCE,
     _META_SET,
     _OVER_SUCCESS,
+    _REGISTER_TASK,
     IN_KEYS,
     STATUS,
 )
@@ -68,6 +69,9 @@ class Dialect:
         #: Register ``:token`` as ``:key``'s newest (results before a body,
         #: and ``fencing.guard``); no row: a newer token is registered.
         self.register_fence = REGISTER.format(now=now, **_bound("key", "token")).strip() + "\n"
+        #: Then the task id's registration, in the same transaction (SQLite;
+        #: PostgreSQL runs it in ``celery_lease_register_lookup_v2``).
+        self.register_task = _REGISTER_TASK.format(now=now, **_bound("key", "token", "task_id"))
         #: One key's lease row, its fence and the clock (``(SELECT 1)``: a row even if none).
         self.inspect = _INSPECT.format(now=now)
         #: Lease rows under a LIKE pattern, live ones only unless ``:expired``.
@@ -206,7 +210,6 @@ DIALECTS = {name: Dialect(name) for name in NOW}
 #: The PostgreSQL hot paths' dialect-rendered statements in psycopg's form.
 #: (Release of one key binds ``:key``, as the claim does.)
 PG_RELEASE_ONE_PY = pyformat(_RELEASE_IN.format(now=NOW["postgresql"], keys=":key"))
-PG_REGISTER_FENCE_PY = pyformat(DIALECTS["postgresql"].register_fence)
 
 
 def rendered(dialect: str) -> Iterator[tuple[str, str]]:
@@ -222,6 +225,7 @@ def rendered(dialect: str) -> Iterator[tuple[str, str]]:
     d = DIALECTS[dialect]
     yield "select_now", d.select_now
     yield "register_fence", d.register_fence
+    yield "register_task", d.register_task
     yield "inspect", d.inspect
     yield "list_leases", d.list_leases
     for once, sql in d.result_insert.items():

@@ -82,6 +82,27 @@ _META_NEWER_REGISTERED = """
     SELECT 1 FROM celery_lease_fences AS fe
     WHERE fe.resource {in_keys} AND fe.fencing_token > :token
 )"""
+#: Leases elsewhere, right after the key's fence-row registration (``REGISTER``)
+#: in its transaction or server function: the task id's registration, taking
+#: the token only if the fence row holds it (a registration refused there for
+#: a newer token records nothing), never lowering it. A template (``{key}``,
+#: ``{token}``, ``{task_id}``, ``{now}``), shared by the client statement
+#: (``Dialect.register_task``, SQLite) and ``celery_lease_register_lookup_v2``.
+_REGISTER_TASK = """
+INSERT INTO celery_lease_registrations AS rg (resource, task_id, fencing_token, registered_at)
+SELECT fe.resource, CAST({task_id} AS text), fe.fencing_token, {now}
+FROM celery_lease_fences AS fe
+WHERE fe.resource = {key} AND fe.fencing_token = {token} AND {task_id} IS NOT NULL
+ON CONFLICT (resource, task_id) DO UPDATE SET
+    fencing_token = excluded.fencing_token, registered_at = excluded.registered_at
+WHERE rg.fencing_token <= excluded.fencing_token"""
+#: Sweeper: registrations older than the lease rows' grace. A registration
+#: matters only until the newer copy writes a state of its own (its record's
+#: token then refuses the stale copy): the same window as the lease rows that
+#: fence the same write when the leases are in this database. Deleting one
+#: never lets a token fall: a later registration needs the fence row's token,
+#: which only grows.
+SWEEP_REGISTRATIONS = "DELETE FROM celery_lease_registrations WHERE registered_at < :cutoff"
 #: ``{in_keys}``: one of the writer's keys, any number of them in one text:
 #: a bound array (PostgreSQL) or a bound JSON array (SQLite).
 IN_KEYS = {
