@@ -20,6 +20,7 @@ from celery_lease.sql.meta_queries import (
     _META_GET,
     _META_INCR,
     _META_MGET,
+    _META_NEWER_FOR_TASK,
     _META_NEWER_REGISTERED,
     _META_ONCE,
     _META_SET,
@@ -114,9 +115,9 @@ class Dialect:
                 now=now,
                 in_keys=in_keys,
                 over_success=_OVER_SUCCESS[kind == "success"].format(status=status),
-                registered=""
-                if kind != "active"
-                else _META_NEWER_REGISTERED.format(in_keys=in_keys),
+                registered=(
+                    _META_NEWER_REGISTERED if kind == "active" else _META_NEWER_FOR_TASK
+                ).format(in_keys=in_keys),
             )
             for kind in FENCED_KINDS
         }

@@ -74,13 +74,21 @@ RETURNING key
 #: ``_META_FENCED``'s ``{registered}`` for a state that is not final (STARTED,
 #: RETRY, a custom state): refused too when a fence row of the writer's keys
 #: holds a larger token (registered by any newer grant of the key, whichever
-#: task id it ran: the fence row does not say). Never for a final state: when
-#: the newer grant ran another task id, nobody else writes this task id's
-#: outcome, and a refusal would leave it PENDING for ever.
+#: task id it ran: the fence row does not say).
 _META_NEWER_REGISTERED = """
   AND NOT EXISTS (
     SELECT 1 FROM celery_lease_fences AS fe
     WHERE fe.resource {in_keys} AND fe.fencing_token > :token
+)"""
+#: ``{registered}`` for a final state and a SUCCESS: refused when a copy of
+#: *this* task id registered a larger token for one of the writer's keys
+#: (``_REGISTER_TASK``): that copy writes the task id's outcome. Not the fence
+#: row: when the newer grant ran another task id, nobody else writes this
+#: task id's outcome, and a refusal would leave it PENDING for ever.
+_META_NEWER_FOR_TASK = """
+  AND NOT EXISTS (
+    SELECT 1 FROM celery_lease_registrations AS rg
+    WHERE rg.resource {in_keys} AND rg.task_id = :task_id AND rg.fencing_token > :token
 )"""
 #: Leases elsewhere, right after the key's fence-row registration (``REGISTER``)
 #: in its transaction or server function: the task id's registration, taking
