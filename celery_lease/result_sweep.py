@@ -1,4 +1,5 @@
-"""Retention of the result table: deleting old results and long-expired lease rows."""
+"""Retention of the result table: deleting old results, long-expired lease rows
+and registrations past the same grace."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
 from celery_lease.keys import INTERNAL_PREFIX
 from celery_lease.sql import Database
 from celery_lease.sql import queries as q
+from celery_lease.sql.meta_queries import SWEEP_REGISTRATIONS
 
 __all__ = ["sweep"]
 
@@ -53,6 +55,7 @@ def _sweep_once(db: Database, result_expires: float | None, lease_grace: float) 
         conn.execute(q.SWEEP_KEEP_FENCES, {"cutoff": cutoff, "now": now, **internal})
         conn.execute(q.SWEEP_INTERNAL_FENCES, {"cutoff": cutoff, **internal})
         swept_leases = conn.execute(q.SWEEP_LEASES, {"cutoff": cutoff}).rowcount
+        conn.execute(SWEEP_REGISTRATIONS, {"cutoff": cutoff})
     logger.info(
         "swept %d result(s), %d lease row(s)",
         swept_results,

@@ -74,7 +74,6 @@ from celery_lease.result_end import EndMark, end_task
 from celery_lease.result_sweep import sweep as sweep_table
 from celery_lease.sql import database
 from celery_lease.sql import queries as q
-from celery_lease.sql.dialects import PG_REGISTER_FENCE_PY
 from celery_lease.sql.migrate import ensure_schema
 from celery_lease.stores.base import (
     Lease,
@@ -201,23 +200,15 @@ class ResultTable:
         return not self.colocated
 
     def register(self, lease: Lease) -> None:
-        """Record ``lease.token`` as the key's newest token, before the body runs.
+        """Record ``lease.token`` as the key's newest token (and its task id's,
+        ``lease.meta["task_id"]``), before the body runs: :meth:`prepare`'s
+        registration, its look-ups ignored.
 
         Raises :class:`StaleFencingToken` if a newer token is registered already
         (another owner claimed after this one).
         """
-        if self.colocated:
-            return
-        params = {"key": lease.key, "token": lease.token}
-        if self.db.is_sqlite:
-            with self.db.single() as conn:
-                row = conn.execute(self.db.sql.register_fence, params).first()
-        else:
-            row = self.db.pg_first(PG_REGISTER_FENCE_PY, params)
-        if row is None:
-            raise StaleFencingToken(
-                lease.key, lease.token, self.fence(lease.key), "a newer owner registered first"
-            )
+        if not self.colocated:
+            self.prepare(lease, lease.meta.get("task_id"), once=False)
 
     def claim_prepared(
         self,
@@ -300,8 +291,11 @@ class ResultTable:
                 )
             return self._prepared(task_token, duplicate_token)
         statements = [(q.PREPARE_LOOKUP, params)]
-        if not self.colocated:
-            statements.insert(0, (self.db.sql.register_fence, params))
+        if not self.colocated:  # the registrations first, in the same transaction
+            statements[:0] = [
+                (self.db.sql.register_fence, params),
+                (self.db.sql.register_task, params),
+            ]
         with self.db.single() as conn:
             out = conn.pipeline(*statements)
         row = out[-1].one()

@@ -20,7 +20,16 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-__all__ = ["VERSION_TABLE", "ended", "fences", "leases", "metadata", "results", "task_meta"]
+__all__ = [
+    "VERSION_TABLE",
+    "ended",
+    "fences",
+    "leases",
+    "metadata",
+    "registrations",
+    "results",
+    "task_meta",
+]
 
 #: Alembic's version table for this package, apart from the application's own.
 VERSION_TABLE = "celery_lease_alembic_version"
@@ -82,6 +91,22 @@ fences = Table(
     Column("resource", Text, primary_key=True),
     Column("fencing_token", BigInteger, nullable=False),
     Column("updated_at", Double, nullable=False),
+)
+
+#: With leases elsewhere: the newest token each task id registered for a key
+#: (beside the key's fence row, in the same round trip). The fence row keeps
+#: only the newest registration of any task id; the result backend's fenced
+#: write of a final state asks whether a newer copy of *its* task id holds a
+#: grant of the key, which a newer grant of another task id must not hide.
+#: Swept with the lease rows' grace (``registered_at``).
+registrations = Table(
+    "celery_lease_registrations",
+    metadata,
+    Column("resource", Text, primary_key=True),
+    Column("task_id", Text, primary_key=True),
+    Column("fencing_token", BigInteger, nullable=False),
+    Column("registered_at", Double, nullable=False),
+    Index(None, "registered_at"),
 )
 
 #: One row per task id whose FAILURE celery-lease decided after its result was

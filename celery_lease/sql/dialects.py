@@ -20,10 +20,12 @@ from celery_lease.sql.meta_queries import (
     _META_GET,
     _META_INCR,
     _META_MGET,
+    _META_NEWER_FOR_TASK,
     _META_NEWER_REGISTERED,
     _META_ONCE,
     _META_SET,
     _OVER_SUCCESS,
+    _REGISTER_TASK,
     IN_KEYS,
     STATUS,
 )
@@ -68,6 +70,9 @@ class Dialect:
         #: Register ``:token`` as ``:key``'s newest (results before a body,
         #: and ``fencing.guard``); no row: a newer token is registered.
         self.register_fence = REGISTER.format(now=now, **_bound("key", "token")).strip() + "\n"
+        #: Then the task id's registration, in the same transaction (SQLite;
+        #: PostgreSQL runs it in ``celery_lease_register_lookup_v2``).
+        self.register_task = _REGISTER_TASK.format(now=now, **_bound("key", "token", "task_id"))
         #: One key's lease row, its fence and the clock (``(SELECT 1)``: a row even if none).
         self.inspect = _INSPECT.format(now=now)
         #: Lease rows under a LIKE pattern, live ones only unless ``:expired``.
@@ -110,9 +115,9 @@ class Dialect:
                 now=now,
                 in_keys=in_keys,
                 over_success=_OVER_SUCCESS[kind == "success"].format(status=status),
-                registered=""
-                if kind != "active"
-                else _META_NEWER_REGISTERED.format(in_keys=in_keys),
+                registered=(
+                    _META_NEWER_REGISTERED if kind == "active" else _META_NEWER_FOR_TASK
+                ).format(in_keys=in_keys),
             )
             for kind in FENCED_KINDS
         }
@@ -206,7 +211,6 @@ DIALECTS = {name: Dialect(name) for name in NOW}
 #: The PostgreSQL hot paths' dialect-rendered statements in psycopg's form.
 #: (Release of one key binds ``:key``, as the claim does.)
 PG_RELEASE_ONE_PY = pyformat(_RELEASE_IN.format(now=NOW["postgresql"], keys=":key"))
-PG_REGISTER_FENCE_PY = pyformat(DIALECTS["postgresql"].register_fence)
 
 
 def rendered(dialect: str) -> Iterator[tuple[str, str]]:
@@ -222,6 +226,7 @@ def rendered(dialect: str) -> Iterator[tuple[str, str]]:
     d = DIALECTS[dialect]
     yield "select_now", d.select_now
     yield "register_fence", d.register_fence
+    yield "register_task", d.register_task
     yield "inspect", d.inspect
     yield "list_leases", d.list_leases
     for once, sql in d.result_insert.items():

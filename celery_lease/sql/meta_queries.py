@@ -74,14 +74,43 @@ RETURNING key
 #: ``_META_FENCED``'s ``{registered}`` for a state that is not final (STARTED,
 #: RETRY, a custom state): refused too when a fence row of the writer's keys
 #: holds a larger token (registered by any newer grant of the key, whichever
-#: task id it ran: the fence row does not say). Never for a final state: when
-#: the newer grant ran another task id, nobody else writes this task id's
-#: outcome, and a refusal would leave it PENDING for ever.
+#: task id it ran: the fence row does not say).
 _META_NEWER_REGISTERED = """
   AND NOT EXISTS (
     SELECT 1 FROM celery_lease_fences AS fe
     WHERE fe.resource {in_keys} AND fe.fencing_token > :token
 )"""
+#: ``{registered}`` for a final state and a SUCCESS: refused when a copy of
+#: *this* task id registered a larger token for one of the writer's keys
+#: (``_REGISTER_TASK``): that copy writes the task id's outcome. Not the fence
+#: row: when the newer grant ran another task id, nobody else writes this
+#: task id's outcome, and a refusal would leave it PENDING for ever.
+_META_NEWER_FOR_TASK = """
+  AND NOT EXISTS (
+    SELECT 1 FROM celery_lease_registrations AS rg
+    WHERE rg.resource {in_keys} AND rg.task_id = :task_id AND rg.fencing_token > :token
+)"""
+#: Leases elsewhere, right after the key's fence-row registration (``REGISTER``)
+#: in its transaction or server function: the task id's registration, taking
+#: the token only if the fence row holds it (a registration refused there for
+#: a newer token records nothing), never lowering it. A template (``{key}``,
+#: ``{token}``, ``{task_id}``, ``{now}``), shared by the client statement
+#: (``Dialect.register_task``, SQLite) and ``celery_lease_register_lookup_v2``.
+_REGISTER_TASK = """
+INSERT INTO celery_lease_registrations AS rg (resource, task_id, fencing_token, registered_at)
+SELECT fe.resource, CAST({task_id} AS text), fe.fencing_token, {now}
+FROM celery_lease_fences AS fe
+WHERE fe.resource = {key} AND fe.fencing_token = {token} AND {task_id} IS NOT NULL
+ON CONFLICT (resource, task_id) DO UPDATE SET
+    fencing_token = excluded.fencing_token, registered_at = excluded.registered_at
+WHERE rg.fencing_token <= excluded.fencing_token"""
+#: Sweeper: registrations older than the lease rows' grace. A registration
+#: matters only until the newer copy writes a state of its own (its record's
+#: token then refuses the stale copy): the same window as the lease rows that
+#: fence the same write when the leases are in this database. Deleting one
+#: never lets a token fall: a later registration needs the fence row's token,
+#: which only grows.
+SWEEP_REGISTRATIONS = "DELETE FROM celery_lease_registrations WHERE registered_at < :cutoff"
 #: ``{in_keys}``: one of the writer's keys, any number of them in one text:
 #: a bound array (PostgreSQL) or a bound JSON array (SQLite).
 IN_KEYS = {

@@ -474,7 +474,7 @@ PG_COMMIT_COLOCATED_META: dict[tuple[bool, bool, bool], str] = {
 
 #: The server functions' names (:mod:`celery_lease.sql.functions` creates them).
 CLAIM_LOOKUP_FN = "celery_lease_claim_lookup_v1"
-REGISTER_LOOKUP_FN = "celery_lease_register_lookup_v1"
+REGISTER_LOOKUP_FN = "celery_lease_register_lookup_v2"
 
 PG_CLAIM_ONE_PY = pyformat(PG_CLAIM_ONE)
 #: Leases in the result database, one key: the claim, then the look-ups.

@@ -41,6 +41,7 @@ TABLES = {
     "celery_lease_results",
     "celery_lease_fences",
     "celery_lease_task_meta",
+    "celery_lease_registrations",
 }
 
 
@@ -184,10 +185,22 @@ def test_a_postgresql_database_one_revision_behind_says_to_migrate(fresh_url: st
     assert our_functions(fresh_url) == {"celery_lease_claim_lookup", "celery_lease_register_lookup"}
     with pytest.raises(LeaseConfigError, match="lease migrate"):
         table.claim_prepared("behind", **claim)
+    celery_lease.migrate(fresh_url, "0005")  # register_lookup_v1 only: a v2 worker is behind
+    elsewhere = celery_lease.LeaseStore.from_url("memory://")
+    remote = ResultTable(fresh_url, elsewhere)
+    lease = elsewhere.claim("remote", ttl=30, owner_id="w")
+    assert lease is not None
+    with pytest.raises(LeaseConfigError, match="lease migrate"):
+        remote.prepare(lease, "t1", once=False)
     celery_lease.migrate(fresh_url)
-    assert our_functions(fresh_url) == {CLAIM_LOOKUP_FN, REGISTER_LOOKUP_FN}
+    # v1 stays installed beside v2, for the previous release's workers in a rolling upgrade.
+    v1 = "celery_lease_register_lookup_v1"
+    assert our_functions(fresh_url) == {CLAIM_LOOKUP_FN, v1, REGISTER_LOOKUP_FN}
     lease, prepared = table.claim_prepared("behind", **claim)
     assert lease is not None and prepared is not None and prepared.task_token is None
+    q.downgrade(fresh_url, "0005")
+    assert our_functions(fresh_url) == {CLAIM_LOOKUP_FN, v1}
+    assert "celery_lease_registrations" not in table_names(fresh_url)
     q.downgrade(fresh_url, "0002")
     assert our_functions(fresh_url) == {"celery_lease_claim_lookup", "celery_lease_register_lookup"}
     q.downgrade(fresh_url, "0001")
@@ -214,9 +227,12 @@ def test_the_migrations_function_texts_are_the_packages() -> None:
     so an edit of either without a new versioned function fails here."""
     m = _migration("0003_versioned_functions")
     assert _words(m.CREATE_CLAIM_LOOKUP) == _words(functions.CREATE_CLAIM_LOOKUP)
-    assert _words(m.CREATE_REGISTER_LOOKUP) == _words(functions.CREATE_REGISTER_LOOKUP)
     assert f"FUNCTION {CLAIM_LOOKUP_FN}(" in m.CREATE_CLAIM_LOOKUP
-    assert f"FUNCTION {REGISTER_LOOKUP_FN}(" in m.CREATE_REGISTER_LOOKUP
+    m6 = _migration("0006_registrations")
+    assert _words(m6.CREATE_REGISTER_LOOKUP) == _words(functions.CREATE_REGISTER_LOOKUP)
+    assert f"FUNCTION {REGISTER_LOOKUP_FN}(" in m6.CREATE_REGISTER_LOOKUP
+    # v1 (0003) is never edited: it stays installed for the previous release's workers.
+    assert "FUNCTION celery_lease_register_lookup_v1(" in m.CREATE_REGISTER_LOOKUP
 
 
 @pytest.mark.parametrize(

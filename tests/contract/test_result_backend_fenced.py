@@ -282,22 +282,19 @@ def stale_and_newer(
 
 
 @pytest.mark.parametrize("before", ["absent", "older"])
-@pytest.mark.parametrize("state", [states.FAILURE, states.RETRY, "PROGRESS"])
+@pytest.mark.parametrize("state", [states.FAILURE, states.SUCCESS, states.RETRY, "PROGRESS"])
 def test_a_stale_copy_writes_nothing_before_the_newer_copy_wrote(
     pairing: Pairing,
     app: Celery,
     state: str,
     before: str,
     caplog: pytest.LogCaptureFixture,
-    request: pytest.FixtureRequest,
 ) -> None:
     """Invariant 8 with nothing of the newer copy's in the row to compare with:
     the registered token refuses the stale write, then the newer copy's commit
-    lands. A FAILURE is refused by a newer grant *of this task id* (the lease
-    rows, leases in this database); with leases elsewhere the fence row does not
-    say whose the newer token is (docs/result-backend.md, "What is not fenced")."""
-    if state == states.FAILURE and not pairing.table.colocated:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="documented gap"))
+    lands. A final state (FAILURE, a lock-only copy's SUCCESS) is refused by a
+    newer grant *of this task id*: the lease rows (leases in this database) or
+    the registrations (``celery_lease_registrations``, leases elsewhere)."""
     backend = backend_of(app)
     tid = str(uuid.uuid4())
 
@@ -321,6 +318,35 @@ def test_a_stale_copy_writes_nothing_before_the_newer_copy_wrote(
     assert AsyncResult(tid, app=app).get(timeout=5) == {"v": "B"}
     row = record(pairing.result_url, tid)
     assert row is not None and (row["status"], row["token"]) == (states.SUCCESS, newer.token)
+
+
+@pytest.mark.parametrize("state", [states.FAILURE, states.SUCCESS])
+def test_a_stale_copys_final_state_is_refused_after_another_task_id_took_the_key_too(
+    pairing: Pairing, app: Celery, state: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A (token 7) of T lapses; B of T claims and registers (8); then U, another
+    task id, claims and registers (9); then A writes its final state. The fence
+    row holds U's 9 and says nothing of T, but B of T still holds a newer grant
+    and will write T's outcome: A's write is refused (invariant 8). Leases
+    elsewhere only: in the result database the lease row holds only the newest
+    grant's task id (U's), which cannot say that B of T came before it."""
+    if pairing.table.colocated:
+        pytest.skip("leases in the result database: the lease row names only U")
+    backend = backend_of(app)
+    tid = str(uuid.uuid4())
+    key = new_key("then-other")
+    old, newer = stale_and_newer(pairing, tid, key, lambda lease: None)
+    pairing.store.release(newer)
+    other = pairing.store.claim(key, ttl=30, owner_id="u:1", meta={"task_id": "another"})
+    assert other is not None and other.token > newer.token
+    pairing.table.register(other)
+    value: Any = RuntimeError("late") if state == states.FAILURE else {"v": "A"}
+    with caplog.at_level(logging.WARNING, logger="celery_lease.backend"):
+        backend.store_result(tid, value, state, request=request_for(tid, old))  # never raises
+    assert record(pairing.result_url, tid) is None
+    assert f"refused the {state} write of celery-task-meta-{tid} by token {old.token}" in (
+        caplog.text
+    )
 
 
 @pytest.mark.parametrize("state", [states.FAILURE, states.SUCCESS])

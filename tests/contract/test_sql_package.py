@@ -53,6 +53,8 @@ def test_the_claim_functions_claim_is_the_client_claim() -> None:
     register = " ".join(DIALECTS["postgresql"].register_fence.split())
     inside = re.sub(r"\bp_(\w+)", r":\1", functions.CREATE_REGISTER_LOOKUP)
     assert register + " INTO v;" in " ".join(inside.split())
+    register_task = " ".join(DIALECTS["postgresql"].register_task.split())
+    assert register_task + ";" in " ".join(inside.split())
 
 
 def test_pg_traffic_is_counted_only_once_asked(pg_url: str) -> None:

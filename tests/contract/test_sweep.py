@@ -221,6 +221,61 @@ def test_sweep_keeps_registered_fences_for_leases_elsewhere(
     store.close()
 
 
+def registrations(url: str, key: str) -> dict[str, int]:
+    with database(url).single() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT task_id, fencing_token FROM celery_lease_registrations WHERE resource = :k"
+            ),
+            {"k": key},
+        ).all()
+    return {r.task_id: int(r.fencing_token) for r in rows}
+
+
+@pytest.mark.parametrize("results", ["pg", "sqlite"])
+def test_sweep_deletes_registrations_past_the_grace_and_no_token_falls(
+    redis_url: str, request: pytest.FixtureRequest, tmp_path: Path, results: str
+) -> None:
+    """Leases in Redis: each task id's registration (the fenced backend's final
+    states ask it) is kept within the lease grace, deleted past it; a copy of a
+    swept task id then registers again, never below the fence row's token, and
+    a stale registration records nothing."""
+    from tests.results_helpers import migrated_pg_url
+
+    if results == "pg":
+        url = migrated_pg_url(request)
+    else:
+        url = f"sqlite:///{tmp_path / 'registrations.sqlite3'}"
+        celery_lease.migrate(url)
+    store = LeaseStore.from_url(redis_url)
+    table = ResultTable(url, store)
+    key = new_key("registered")
+    a = store.claim(key, ttl=LONG_TTL, owner_id="A", meta={"task_id": "T"})
+    assert a is not None
+    table.register(a)
+    assert store.release(a)
+    b = store.claim(key, ttl=LONG_TTL, owner_id="B", meta={"task_id": "U"})
+    assert b is not None
+    table.register(b)
+    with pytest.raises(StaleFencingToken):
+        table.register(a)  # refused by the fence row: records nothing either
+    assert registrations(url, key) == {"T": a.token, "U": b.token}
+    table.sweep(result_expires=None, lease_grace=3600)
+    assert registrations(url, key) == {"T": a.token, "U": b.token}
+    table.sweep(result_expires=None, lease_grace=0)
+    assert registrations(url, key) == {}
+    assert table.fence(key) == b.token
+    with pytest.raises(StaleFencingToken):
+        table.register(a)
+    assert registrations(url, key) == {}
+    assert store.release(b)
+    c = store.claim(key, ttl=LONG_TTL, owner_id="C", meta={"task_id": "T"})
+    assert c is not None and c.token > b.token
+    table.register(c)
+    assert registrations(url, key) == {"T": c.token}
+    store.close()
+
+
 def test_sweep_deletes_a_deferral_markers_fence_and_keeps_a_real_keys(sql: SQL) -> None:
     """A deferral marker (``store.mark``) is not a lease: once its row is swept its
     fence row goes too (no row per deferral left forever), while an ordinary
