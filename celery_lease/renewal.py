@@ -1,8 +1,9 @@
 """The per-process renewal timer and the handle a holder works with.
 
-One daemon thread per process (started lazily, and never inherited across
-``fork``: the child starts its own on first use) renews every lease the
-process holds, grouped by store, each group in one ``renew_many`` round trip.
+The process's renewal thread, :class:`Renewer` (in :mod:`celery_lease.renewer`,
+importable from here), renews every lease the process holds, grouped by
+store, each group in one ``renew_many`` round trip made on the store's own
+thread, so a store whose call hangs holds back no other store's renewals.
 
 The *local view* of a lease: a renewal sent at monotonic time ``s`` and
 confirmed by the store keeps the lease valid locally until
@@ -17,15 +18,13 @@ process wakes up past it, a store outage outlasts it), the lease is *lost*:
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from celery_lease import metrics
 from celery_lease.exceptions import LeaseConfigError, LeaseError, LeaseLost, StoreUnavailable
+from celery_lease.renewer import Renewer, renewer
 
 if TYPE_CHECKING:
     from celery_lease.stores.base import Lease, LeaseStore
@@ -317,184 +316,3 @@ class HeldLease:
             else "released"
         )
         return f"<HeldLease {self.key!r} token={self.token} {state}>"
-
-
-class Renewer:
-    """The process's renewal thread."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self._leases: set[HeldLease] = set()
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        #: When the thread wakes next by itself (monotonic time); None while it
-        #: sleeps until notified. Read and written under ``_cond``.
-        self._wake_at: float | None = None
-        #: The renew interval of the lease added last: how long the thread sleeps
-        #: with no lease to renew (a lease due sooner still wakes it).
-        self._idle: float | None = None
-        self.cycles = 0
-        #: Times the thread woke up (notified or timed out): a short task should
-        #: not cost one.
-        self.wakeups = 0
-        #: Times a failed thread was replaced (see :meth:`_run`).
-        self.restarts = 0
-
-    def add(self, held: HeldLease) -> None:
-        with self._cond:
-            self._leases.add(held)
-            self._idle = held.renew_interval
-            metrics.held_leases.set(len(self._leases))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="celery-lease-renewer", daemon=True
-                )
-                self._thread.start()
-            self._notify_if_sooner(held)
-
-    def reschedule(self, held: HeldLease) -> None:
-        """``held`` is due sooner than it was (a failed renewal): wake the thread if needed."""
-        with self._cond:
-            if held in self._leases:
-                self._notify_if_sooner(held)
-
-    def _notify_if_sooner(self, held: HeldLease) -> None:
-        # Wake the thread only when ``held`` is due before it would wake anyway:
-        # one wake-up per task (a thread switch, the GIL handed over and back)
-        # was a measurable share of a short task's cost. A thread that is not
-        # waiting (renewing, or about to recompute) sees ``held`` when it loops.
-        wake_at = self._wake_at
-        if wake_at is None or _due_at(held) < wake_at:
-            self._wake_at = _due_at(held)  # no second notify for a later lease meanwhile
-            self._cond.notify()
-
-    def discard(self, held: HeldLease) -> None:
-        # No wake-up: the thread, woken for a lease that is gone, just recomputes.
-        with self._cond:
-            self._leases.discard(held)
-            metrics.held_leases.set(len(self._leases))
-
-    @property
-    def leases(self) -> list[HeldLease]:
-        with self._cond:
-            return list(self._leases)
-
-    def _run(self, delay: float = 0.0) -> None:
-        if delay:
-            time.sleep(delay)  # a predecessor failed: no tight loop of failing cycles
-        try:
-            self._loop()
-        finally:
-            # _loop never returns: this is an exception (a bug, or an on_lost
-            # callback that raised) ending the thread. It goes on to
-            # threading.excepthook; a new thread takes over, so the process's
-            # other leases are still renewed.
-            self._replace_thread()
-
-    def _replace_thread(self) -> None:
-        logger.error(
-            "the lease renewal thread failed; a new one takes over",
-            exc_info=sys.exc_info(),
-            extra={"action": "renewer_failed"},
-        )
-        with self._cond:
-            if self._thread is not threading.current_thread() or self.pid != os.getpid():
-                return
-            self.restarts += 1
-            self._wake_at = None
-            self._thread = threading.Thread(
-                target=self._run, args=(_RESTART_DELAY,), name="celery-lease-renewer", daemon=True
-            )
-            self._thread.start()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                now = time.monotonic()
-                wake = min((_due_at(h) for h in self._leases), default=None)
-                if wake is None and self._idle is not None:
-                    # Nothing to renew. Sleeping until notified would cost a
-                    # wake-up per short task (its lease is gone when the thread
-                    # runs); sleep half an interval instead, so the next task's
-                    # lease, due a whole interval after its claim, needs none.
-                    wake = now + self._idle / 2
-                if wake is None or wake > now:
-                    self._wake_at = wake
-                    self._cond.wait(None if wake is None else max(0.0, wake - now))
-                    self.wakeups += 1
-                    continue
-                self._wake_at = now  # busy renewing: a lease added meanwhile is seen next loop
-                # With the leases that are due, renew every lease at least half-way
-                # to its next renewal: their schedules then coincide from the next
-                # cycle on, so the process sends one round trip per store per
-                # interval however its claims were spread in time (renewing each
-                # lease exactly when due would keep one round trip per lease).
-                due = [h for h in self._leases if _due_at(h) - h.renew_interval / 2 <= now]
-            self.renew_due(due)
-
-    def renew_due(self, due: list[HeldLease]) -> None:
-        """Renew ``due`` leases, one round trip per store."""
-        self.cycles += 1
-        now = time.monotonic()
-        by_store: dict[int, list[HeldLease]] = {}
-        for h in due:
-            if now >= h.valid_until:
-                h.mark_lost("the lease's local validity ran out before a renewal (process paused?)")
-            elif h.held:
-                by_store.setdefault(id(h.store), []).append(h)
-        for group in by_store.values():
-            sent = time.monotonic()
-            try:
-                answers = group[0].store.renew_many([h.lease for h in group])
-            except LeaseError as e:
-                # Unreachable, or an error reply (StoreUnavailable or not): the
-                # leases are not lost for it, the renewal is retried soon, until
-                # their local view runs out.
-                logger.warning(
-                    "lease renewal failed, will retry: keys=%s reason=%s: %s",
-                    ",".join(h.key for h in group),
-                    type(e).__name__,
-                    e,
-                    extra={"action": "renew_retry"},
-                )
-                metrics.renewals.labels("error").inc(len(group))
-                for h in group:
-                    h.renew_failed(sent, f"{type(e).__name__}: {e}")
-                continue
-            for h, expires in zip(group, answers):
-                metrics.renewals.labels("lost" if expires is None else "renewed").inc()
-                h.renewed(sent, expires)
-
-
-#: Seconds a replacement renewal thread waits before its first cycle.
-_RESTART_DELAY = 0.2
-
-
-def _due_at(held: HeldLease) -> float:
-    """When ``held`` must be renewed (or declared lost), in monotonic time."""
-    return min(held.next_renewal, held.valid_until)
-
-
-_renewer: Renewer | None = None
-_renewer_lock = threading.Lock()
-
-
-def renewer() -> Renewer:
-    """This process's :class:`Renewer` (a new one after ``fork``)."""
-    global _renewer
-    current = _renewer
-    if current is not None and current.pid == os.getpid():
-        return current  # the common case (twice per task): no lock
-    with _renewer_lock:
-        if _renewer is None or _renewer.pid != os.getpid():
-            _renewer = Renewer()
-        return _renewer
-
-
-def _reset_after_fork() -> None:
-    global _renewer, _renewer_lock
-    _renewer = None
-    _renewer_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)

@@ -67,7 +67,19 @@ _ENGINE_OPTIONS: dict[bool, dict[str, Any]] = {
     True: {"future": True, "connect_args": {"timeout": 30.0, "check_same_thread": False}},
     False: {
         "future": True,
-        "connect_args": {"connect_timeout": 5},
+        "connect_args": {
+            "connect_timeout": 5,
+            # A peer gone without a word (a dead host, a NAT or firewall dropping
+            # the flow) leaves a connection half-open; psycopg has no read
+            # timeout, so a call on it waits until the kernel gives up (~15 min).
+            # Unacknowledged data ends it after 15 s, an idle one is probed
+            # after 10 s and dropped 15 s later. A slow server still acknowledges.
+            "keepalives": 1,
+            "keepalives_idle": 10,
+            "keepalives_interval": 5,
+            "keepalives_count": 3,
+            "tcp_user_timeout": 15_000,  # ms
+        },
         "pool_size": 5,
         "max_overflow": 20,
     },

@@ -320,6 +320,30 @@ def test_postgres_stop_disconnects_clients(
     conn.close()
 
 
+def test_postgres_pause_freezes_open_connections_until_resume(
+    make_pg_server: Callable[..., PostgresServer],
+) -> None:
+    server = make_pg_server()
+    conn = psycopg.connect(server.dsn(), autocommit=True)
+    assert conn.execute("SELECT 1").fetchone() == (1,)
+    answers: list[object] = []
+    server.pause()
+    try:
+        # An open connection (served by its own backend, outside the
+        # postmaster's process group) hangs too.
+        asking = threading.Thread(
+            target=lambda: answers.append(conn.execute("SELECT 2").fetchone())
+        )
+        asking.start()
+        asking.join(1.5)
+        assert asking.is_alive() and answers == [], answers
+    finally:
+        server.resume()
+    asking.join(10)
+    assert answers == [(2,)]
+    conn.close()
+
+
 def test_pg_url_fixture(pg_server: PostgresServer, pg_url: str) -> None:
     prefix = f"postgresql+psycopg://postgres@127.0.0.1:{pg_server.port}/test_servers_"
     assert pg_url.startswith(prefix)

@@ -217,7 +217,7 @@ class ManagedServer:
         with self._lock:
             if self._proc is None:
                 return
-            self._send_group(signal.SIGCONT)
+            self.resume()  # a paused process that outlived its leader would stay stopped
             self._send_group(signal.SIGKILL)
             self._reap()
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from tests.servers.basics import LOOPBACK, ServerStartError, log_tail
 from tests.servers.managed import ManagedServer, remove_at_exit
+from tests.servers.process import children
 
 PgStopMode = Literal["smart", "fast", "immediate"]
 _PG_STOP_SIGNALS: dict[str, int] = {
@@ -252,6 +253,29 @@ class PostgresServer(ManagedServer):
             else:
                 self.stop(mode)
             self.start()
+
+    def pause(self) -> None:
+        """Freeze the cluster (SIGSTOP): open connections hang, new ones get no answer.
+
+        The postmaster's process group is not enough: every backend leads its
+        own session, so an open connection would go on being served. The
+        postmaster stops first, so no child is forked while they are stopped.
+        """
+        super().pause()
+        proc = self._proc
+        if proc is not None:
+            for pid in children(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Undo ``pause()``: the backends, then the postmaster."""
+        proc = self._proc
+        if proc is not None:
+            for pid in children(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        super().resume()
 
     def url(self, dbname: str = "postgres") -> str:
         """SQLAlchemy URL (psycopg 3 driver) for ``dbname`` on this cluster."""

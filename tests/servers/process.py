@@ -130,6 +130,22 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
+def children(pid: int) -> list[int]:
+    """The pids of ``pid``'s live children (PostgreSQL backends each lead their
+    own session, so they are not in the postmaster's process group)."""
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat, "rb") as fh:
+                data = fh.read()
+        except OSError:
+            continue
+        fields = data[data.rfind(b")") + 2 :].split()  # "state ppid pgrp ...", as above
+        if len(fields) >= 2 and int(fields[1]) == pid and fields[0] not in (b"Z", b"X"):
+            found.append(int(stat.split("/")[2]))
+    return found
+
+
 def signal_group(pgid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
