@@ -12,7 +12,7 @@ import queue
 import signal
 import subprocess
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
 _PR_SET_PDEATHSIG = 1
@@ -114,8 +114,8 @@ def spawn(
     return _spawner.popen(start)
 
 
-def group_alive(pgid: int) -> bool:
-    """True while any non-zombie process is in process group ``pgid``."""
+def _proc_stats() -> Iterator[tuple[int, list[bytes]]]:
+    """``(pid, ["state", "ppid", "pgrp", ...])`` of every process in /proc."""
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
             with open(stat, "rb") as fh:
@@ -124,26 +124,24 @@ def group_alive(pgid: int) -> bool:
             continue
         # /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may contain
         # spaces and parentheses, so split after the last ')'.
-        fields = data[data.rfind(b")") + 2 :].split()
-        if len(fields) >= 3 and int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-            return True
-    return False
+        yield int(stat.split("/")[2]), data[data.rfind(b")") + 2 :].split()
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any non-zombie process is in process group ``pgid``."""
+    return any(
+        len(f) >= 3 and int(f[2]) == pgid and f[0] not in (b"Z", b"X") for _, f in _proc_stats()
+    )
 
 
 def children(pid: int) -> list[int]:
     """The pids of ``pid``'s live children (PostgreSQL backends each lead their
     own session, so they are not in the postmaster's process group)."""
-    found = []
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            with open(stat, "rb") as fh:
-                data = fh.read()
-        except OSError:
-            continue
-        fields = data[data.rfind(b")") + 2 :].split()  # "state ppid pgrp ...", as above
-        if len(fields) >= 2 and int(fields[1]) == pid and fields[0] not in (b"Z", b"X"):
-            found.append(int(stat.split("/")[2]))
-    return found
+    return [
+        child
+        for child, f in _proc_stats()
+        if len(f) >= 2 and int(f[1]) == pid and f[0] not in (b"Z", b"X")
+    ]
 
 
 def signal_group(pgid: int, sig: int) -> None:
