@@ -124,7 +124,7 @@ def _string(name: str, value: Any) -> str:
 
 
 def _url(name: str, value: Any) -> str:
-    if not isinstance(value, str) or "://" not in value:
+    if not isinstance(value, str) or not scheme_of(value):
         # Not quoted: without its scheme, or in a list, its password escapes redaction.
         got = "a string with no scheme://" if isinstance(value, str) else type(value).__name__
         raise LeaseConfigError(

@@ -26,9 +26,17 @@ __all__ = [
 ]
 
 
+#: What may stand before ``://`` (RFC 3986's scheme).
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*")
+
+
 def scheme_of(url: str) -> str:
-    """The lower-case scheme of ``url`` (``"postgresql+psycopg"``, ``"etcds"``)."""
-    return url.split("://", 1)[0].lower()
+    """The lower-case scheme of ``url`` (``"postgresql+psycopg"``, ``"etcds"``), or
+    ``""`` when what stands before the first ``://`` is no scheme: a URL whose own
+    scheme is missing, before a second URL (``:pw@h1;sentinel://...``), would
+    otherwise give its password as the "scheme", for an error to quote."""
+    head, sep, _ = url.partition("://")
+    return head.lower() if sep and _SCHEME.fullmatch(head) else ""
 
 
 def redact_url(url: str) -> str:

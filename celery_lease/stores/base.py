@@ -476,7 +476,7 @@ class LeaseStore(ABC):
 
 
 def _store_class(url: str) -> type[LeaseStore]:
-    if not isinstance(url, str) or "://" not in url:
+    if not isinstance(url, str) or not scheme_of(url):
         # Not quoted: without its scheme the redaction may not find its password.
         got = "a string with no scheme://" if isinstance(url, str) else type(url).__name__
         raise LeaseConfigError(f"a lease store URL looks like scheme://..., got {got}")
