@@ -73,7 +73,7 @@ active proctype renewer() {
   byte rr;
 end_renewer:
   do
-  /* @code celery_lease/renewal.py:Renewer.renew_due "answers = group[0].store.renew_many([h.lease for h in group])" */
+  /* @code celery_lease/renew_lanes.py:Lane._call "batch.answers = self.store.renew_many([h.lease for h in group])" */
   RENEW(0)
 #if NW > 1
   RENEW(1)
