@@ -360,11 +360,17 @@ class LeaseBackend(KeyValueStoreBackend):  # type: ignore[misc]
         member = getattr(_counting, "member", None)
         with self.db.transaction() as conn:
             if member is not None:
-                mark = {"key": f"{_text(key)}.{member}", "ttl": _seconds(self.chord_expires)}
+                mark = {"key": f"{_text(key)}.{member}", "ttl": _seconds(self._chord_ttl())}
                 if conn.execute(self.db.sql.meta_once, mark).first() is None:
                     return 0
             value = conn.execute(self.db.sql.meta_incr, {"key": _text(key)}).scalar_one()
         return int(value)
+
+    def _chord_ttl(self) -> Any:
+        """How long a chord's counter and marks live: Celery 5.7's ``chord_expires``
+        (``result_chord_expires``); before 5.7 Celery renews the counter with
+        ``result_expires``, so the marks live as long."""
+        return getattr(self, "chord_expires", self.expires)
 
     def on_chord_part_return(self, request: Any, state: str, result: Any, **kwargs: Any) -> Any:
         """Celery's chord count, each header member once (the module's docstring)."""
