@@ -295,6 +295,22 @@ class HeldLease:
         """Stop renewing and release. True if it was still the owner."""
         return self._releasing() and self.store.release(self.lease)
 
+    def release_after_error(self) -> None:
+        """:meth:`release` when the holder's block raised: the block's exception
+        is what its caller must see, so a release that fails is logged (the lease
+        expires at its TTL) and never replaces it."""
+        try:
+            self.release()
+        except Exception as e:  # whatever it is, the block's error stands
+            logger.warning(
+                "could not release (it will expire): key=%s token=%s reason=%s",
+                self.key,
+                self.token,
+                e,
+                exc_info=not isinstance(e, LeaseError),
+                extra={"action": "release_failed", "lease_key": self.key, "token": self.token},
+            )
+
     def release_later(self, failed: Callable[[LeaseError], None]) -> None:
         """:meth:`release` by :meth:`LeaseStore.release_later`: no waiting for the answer."""
         if self._releasing():

@@ -11,10 +11,13 @@ from __future__ import annotations
 import fcntl
 import os
 from importlib import resources
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery_lease.schema import VERSION_TABLE
 from celery_lease.sql.driver import Database, database
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
 
 __all__ = ["HEAD", "check", "current", "downgrade", "ensure_schema", "migrate"]
 
@@ -62,9 +65,23 @@ def migrate(url: str, revision: str = "head", *, _database: Database | None = No
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, revision)
             conn.commit()
-        finally:
-            conn.exec_driver_sql("SELECT pg_advisory_unlock(7244231)")
-            conn.commit()
+        except BaseException:
+            # A failed step leaves the transaction aborted, where the unlock would
+            # fail too and its error would replace the migration's own: roll back
+            # first. Should that fail as well (the connection is gone), closing
+            # the session frees its advisory lock.
+            try:
+                conn.rollback()
+                _unlock(conn)
+            except Exception:  # noqa: BLE001 - the migration's error is the one to raise
+                conn.invalidate()
+            raise
+        _unlock(conn)
+
+
+def _unlock(conn: Connection) -> None:
+    conn.exec_driver_sql("SELECT pg_advisory_unlock(7244231)")
+    conn.commit()
 
 
 def current(db: Database) -> str | None:

@@ -374,7 +374,8 @@ class LeaseStore(ABC):
 
         Raises :class:`LeaseNotAcquired` if another live owner holds the key.
         Inside the block, ``lease.held`` turns False and ``lease.ensure()``
-        raises :class:`LeaseLost` once ownership is gone.
+        raises :class:`LeaseLost` once ownership is gone. A release that fails
+        after the block raised is logged; after a block that ended, it raises.
         """
         # Before the claim: a lease whose renewals cannot keep it is never made.
         check_schedule(check_ttl(ttl), renew_interval, clock_drift)
@@ -399,8 +400,10 @@ class LeaseStore(ABC):
         renewer().add(held)
         try:
             yield held
-        finally:
-            held.release()
+        except BaseException:
+            held.release_after_error()
+            raise
+        held.release()
 
     # -- internal markers ---------------------------------------------------
 

@@ -304,6 +304,29 @@ def test_migrate_from_four_processes_at_once(
     q.check(url)
 
 
+def test_a_failed_migration_raises_its_own_error_and_frees_the_lock(fresh_url: str) -> None:
+    """A step that fails (here: a table of ours made by hand, which the first
+    migration cannot create) is the error raised, not its clean-up's (on
+    PostgreSQL the advisory unlock, in a transaction the failure aborted); and
+    the lock is free after it, so the next migrate is not blocked."""
+    engine = create_engine(fresh_url, poolclass=NullPool)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("CREATE TABLE celery_lease_leases (x integer)"))
+        with pytest.raises(celery_lease.LeaseError, match="already exists"):
+            celery_lease.migrate(fresh_url)
+        if fresh_url.startswith("postgresql"):
+            with engine.connect() as conn:  # another session takes the lock at once
+                assert conn.execute(text("SELECT pg_try_advisory_lock(7244231)")).scalar()
+                conn.execute(text("SELECT pg_advisory_unlock(7244231)"))
+        with engine.begin() as conn:
+            conn.execute(text("DROP TABLE celery_lease_leases"))
+    finally:
+        engine.dispose()
+    celery_lease.migrate(fresh_url)
+    assert versions(fresh_url) == [head_revision()]
+
+
 @pytest.fixture
 def fresh_url_pg(request: pytest.FixtureRequest) -> Iterator[str]:
     server = request.getfixturevalue("pg_server")
