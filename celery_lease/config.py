@@ -9,28 +9,23 @@ errors that name the setting, the value and what is accepted. An unknown
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import logging
-import math
-import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
+from celery_lease import setting_readers as read
 from celery_lease.appstate import app_state
 from celery_lease.exceptions import LeaseConfigError
 from celery_lease.keys import KeyLimits
-from celery_lease.renewal import check_schedule
-from celery_lease.stores.base import MAX_TTL
-from celery_lease.stores.registry import is_sql_url, known_schemes, store_class
-from celery_lease.urls import redact_url, scheme_of
+from celery_lease.setting_readers import check_renew_interval
+from celery_lease.stores.registry import is_sql_url
+from celery_lease.urls import redact_url
 
 if TYPE_CHECKING:
     from celery import Celery
-
-    from celery_lease.stores.base import LeaseStore
 
 __all__ = [
     "CONFLICT_POLICIES",
@@ -54,178 +49,8 @@ CONFLICT_POLICIES = ("defer", "reject", "wait")
 DUPLICATE_POLICIES = ("reject", "return")
 
 
-def check_renew_interval(
-    renew: float | None,
-    ttl: float,
-    name: str,
-    clock_drift: float | None = None,
-    *,
-    ttl_name: str = "lease_ttl",
-    drift_name: str = "lease_clock_drift",
-) -> None:
-    """Refuse a renew interval (None: TTL / 3) that cannot keep a lease of ``ttl``.
-
-    At most half the TTL, and, with ``clock_drift`` (None: the default drift)
-    taken off, the first renewal and one retry of it must come before the local
-    view of the lease ends (:func:`celery_lease.renewal.check_schedule`).
-    ``name`` is the interval's name in the error, ``ttl_name`` and
-    ``drift_name`` the others'.
-    """
-    if renew is not None and renew > ttl / 2:
-        raise LeaseConfigError(
-            f"{name} ({renew}) must be at most half the TTL ({ttl}) so a renewal can fail "
-            "once and still be retried before the lease runs out"
-        )
-    check_schedule(ttl, renew, clock_drift, names=(ttl_name, name, drift_name))
-
-
-def check_max_ttl(ttl: float, name: str) -> None:
-    """Refuse a TTL over :data:`celery_lease.stores.base.MAX_TTL` (one year)."""
-    if ttl > MAX_TTL:
-        raise LeaseConfigError(f"{name} must be at most {MAX_TTL:.0f} (one year), got {ttl!r}")
-
-
-def choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
-    if value not in allowed:
-        raise LeaseConfigError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
-    return str(value)
-
-
-def _number(name: str, value: Any, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise LeaseConfigError(f"{name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value):
-        raise LeaseConfigError(f"{name} must be a finite number, got {value!r}")
-    if positive and not value > 0:
-        raise LeaseConfigError(f"{name} must be greater than 0, got {value!r}")
-    if not positive and value < 0:
-        raise LeaseConfigError(f"{name} must not be negative, got {value!r}")
-    return float(value)
-
-
-def _count(name: str, value: Any) -> int:
-    """A whole number >= 1 (a float like 0.5 must not become 0, which means "off")."""
-    number = _number(name, value, positive=True)
-    if number != int(number):
-        raise LeaseConfigError(f"{name} must be a whole number (1, 2, ...), got {value!r}")
-    return int(number)
-
-
-def _bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise LeaseConfigError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-def _string(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise LeaseConfigError(f"{name} must be a non-empty string, got {value!r}")
-    return value
-
-
-def _url(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not scheme_of(value):
-        # Not quoted: without its scheme, or in a list, its password escapes redaction.
-        got = "a string with no scheme://" if isinstance(value, str) else type(value).__name__
-        raise LeaseConfigError(
-            f"{name} must be a URL such as redis://host:6379/1, "
-            f"postgresql+psycopg://host/db or sqlite:///path; got {got}"
-        )
-    scheme = scheme_of(value)
-    store_cls = store_class(scheme)
-    if store_cls is None:
-        raise LeaseConfigError(
-            f"{name}: unknown URL scheme {scheme!r} in {redact_url(value)!r}; "
-            f"known: {', '.join(known_schemes())}"
-        )
-    # Parsed as its client will, so a malformed URL fails at start, naming ``name``.
-    store_cls.check_url(name, value)
-    return value
-
-
-def _store_class(url: str) -> type[LeaseStore]:
-    store_cls = store_class(scheme_of(url))
-    assert store_cls is not None, url  # _url accepted it
-    return store_cls
-
-
-def _optional(parse: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
-    def parse_unless_none(name: str, value: Any) -> Any:
-        return None if value is None else parse(name, value)
-
-    return parse_unless_none
-
-
 def _store_url(name: str, value: Any) -> str:
-    return _url(name, value or DEFAULT_SQLITE_URL)
-
-
-def _ttl(name: str, value: Any) -> float:
-    ttl = _number(name, value, positive=True)
-    check_max_ttl(ttl, name)
-    return ttl
-
-
-def _positive(name: str, value: Any) -> float:
-    return _number(name, value, positive=True)
-
-
-def _seconds_or_timedelta(name: str, value: Any) -> float:
-    if hasattr(value, "total_seconds"):
-        value = value.total_seconds()
-    return _number(name, value, positive=True)
-
-
-def _port(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
-        raise LeaseConfigError(f"{name} must be a TCP port number, got {value!r}")
-    return value
-
-
-#: A host name as ``getaddrinfo`` takes it (labels of letters, digits and hyphens).
-_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9-]{1,63}(?<!-))*\.?\Z")
-
-
-def _bind_address(name: str, value: Any) -> str:
-    """An IPv4/IPv6 address or a host name to bind a server to (no port, no URL)."""
-    if isinstance(value, str) and value:
-        try:
-            return str(ipaddress.ip_address(value))
-        except ValueError:
-            if _HOST_NAME.match(value):
-                return value
-    raise LeaseConfigError(
-        f"{name} must be an IP address or host name to listen on (127.0.0.1, 0.0.0.0, ::), "
-        f"got {value!r}"
-    )
-
-
-def _key_prefix(name: str, value: Any) -> str:
-    prefix = _string(name, value)
-    if "{" in prefix or "}" in prefix:
-        # Braces would move the Redis Cluster hash tag off the lease key, so a
-        # key's lease and fence counter could land in different slots.
-        raise LeaseConfigError(
-            f"{name} must not contain '{{' or '}}' (Redis Cluster hash tags), got {prefix!r}"
-        )
-    return prefix
-
-
-def _options(name: str, value: Any) -> dict[str, Any]:
-    options = value or {}
-    if not isinstance(options, dict):
-        # Named by type, never quoted: options given as pairs hold the password.
-        raise LeaseConfigError(
-            f"{name} must be a dict of client options, got {type(options).__name__}"
-        )
-    return dict(options)
-
-
-def _one_of(allowed: tuple[str, ...]) -> Callable[[str, Any], str]:
-    def parse_choice(name: str, value: Any) -> str:
-        return choice(name, value, allowed)
-
-    return parse_choice
+    return read.url(name, value or DEFAULT_SQLITE_URL)
 
 
 @dataclass(frozen=True)
@@ -279,39 +104,47 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "lease_result_url",
             None,
-            _optional(_url),
+            read.optional(read.url),
             "the fenced result table's database: postgresql+psycopg:// or "
             "sqlite:/// (default: the lease+ result backend's database, else the "
             "lease store's if it is SQL, else the embedded SQLite file)",
             shown="the lease+ backend's database, else the store's if SQL, else the SQLite file",
         ),
-        Setting("lease_ttl", 30.0, _ttl, "lease length in seconds (at most one year)"),
+        Setting("lease_ttl", 30.0, read.ttl_seconds, "lease length in seconds (at most one year)"),
         Setting(
             "lease_renew_interval",
             None,
-            _optional(_positive),
+            read.optional(read.positive),
             "seconds between renewals (default: TTL / 3; at most TTL / 2, and interval + "
             "min(interval / 3, 1) < TTL - clock drift)",
             shown="TTL / 3",
         ),
-        Setting("lease_mode", "exclusive", _one_of(MODES), "exclusive | once"),
-        Setting("lease_on_conflict", "defer", _one_of(CONFLICT_POLICIES), "defer | reject | wait"),
+        Setting("lease_mode", "exclusive", read.one_of(MODES), "exclusive | once"),
+        Setting(
+            "lease_on_conflict", "defer", read.one_of(CONFLICT_POLICIES), "defer | reject | wait"
+        ),
         Setting(
             "lease_on_duplicate",
             "reject",
-            _one_of(DUPLICATE_POLICIES),
+            read.one_of(DUPLICATE_POLICIES),
             "once mode: reject | return",
         ),
         Setting(
-            "lease_key_prefix", "celery-lease", _key_prefix, "namespace for the store's key names"
+            "lease_key_prefix",
+            "celery-lease",
+            read.key_prefix,
+            "namespace for the store's key names",
         ),
         Setting(
-            "lease_send_events", True, _bool, "send LEASE_* / FENCED task events (Flower states)"
+            "lease_send_events",
+            True,
+            read.flag,
+            "send LEASE_* / FENCED task events (Flower states)",
         ),
         Setting(
             "lease_clock_drift",
             None,
-            _optional(_number),
+            read.optional(read.number),
             "seconds taken off the local view of a lease (default: 2 % of TTL + 50 ms, "
             "at most 1 s)",
             shown="2 % of TTL + 50 ms, at most 1 s",
@@ -319,62 +152,65 @@ SETTINGS: dict[str, Setting] = {
         Setting(
             "lease_result_expires",
             None,
-            _optional(_seconds_or_timedelta),
+            read.optional(read.seconds_or_timedelta),
             "seconds to keep accepted results before `lease sweep` deletes them (default: keep)",
             shown="keep",
         ),
         Setting(
             "lease_result_max_bytes",
             1024 * 1024,
-            _count,
+            read.count,
             "largest JSON result accepted, in bytes",
         ),
         Setting(
             "lease_defer_max",
             100,
-            _count,
+            read.count,
             "deferrals behind other tasks' leases before a task is rejected",
         ),
         Setting(
-            "lease_wait_timeout", 30.0, _positive, "wait policy: seconds to poll before deferring"
+            "lease_wait_timeout",
+            30.0,
+            read.positive,
+            "wait policy: seconds to poll before deferring",
         ),
         Setting(
             "lease_store_retry",
             5.0,
-            _number,
+            read.number,
             "seconds to retry a claim while the store is unreachable before deferring",
         ),
         Setting(
             "lease_max_keys",
             100,
-            _count,
+            read.count,
             "most lease keys one call may name (checked at publish and in the worker)",
         ),
         Setting(
             "lease_max_key_length",
             16384,
-            _count,
+            read.count,
             "longest lease key or tenant, in characters, before shortening (checked at "
             "publish and in the worker)",
         ),
         Setting(
             "lease_metrics_port",
             None,
-            _optional(_port),
+            read.optional(read.port),
             "serve Prometheus metrics from the worker on this port",
             shown="off",
         ),
         Setting(
             "lease_metrics_addr",
             "127.0.0.1",
-            _bind_address,
+            read.bind_address,
             "the address the metrics server listens on (loopback: only this machine can "
             "scrape; 0.0.0.0 or :: for every interface)",
         ),
         Setting(
             "lease_store_options",
             None,
-            _options,
+            read.options,
             "extra keyword arguments for the store's client (e.g. TLS options for rediss:// "
             "or etcds://)",
             shown="none",
@@ -433,7 +269,7 @@ class Config:
             default = lease_backend_database(app) or (
                 store_url if is_sql_url(store_url) else DEFAULT_SQLITE_URL
             )
-            values["result_url"] = _url("lease_result_url", default)
+            values["result_url"] = read.url("lease_result_url", default)
             if default == DEFAULT_SQLITE_URL and not is_sql_url(store_url):
                 logger.warning(
                     "lease_result_url is not set: accepted results go to the embedded SQLite "
@@ -454,7 +290,7 @@ class Config:
                 f"lease_clock_drift must be >= 0 and below lease_ttl ({ttl}), got {drift!r}"
             )
         check_renew_interval(renew, ttl, "lease_renew_interval", drift)
-        _store_class(store_url).check_options(
+        read.store_class_of(store_url).check_options(
             store_url, values["store_options"], values["key_prefix"]
         )
         values["visibility_timeout"] = _visibility_timeout(conf)
@@ -482,8 +318,8 @@ def limits(app: Celery) -> KeyLimits:
         return DEFAULTS[name] if value is None else value
 
     return KeyLimits(
-        _count("lease_max_keys", get("lease_max_keys")),
-        _count("lease_max_key_length", get("lease_max_key_length")),
+        read.count("lease_max_keys", get("lease_max_keys")),
+        read.count("lease_max_key_length", get("lease_max_key_length")),
     )
 
 

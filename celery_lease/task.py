@@ -19,16 +19,7 @@ from typing import Any, ClassVar
 
 from celery import Task
 
-from celery_lease.config import (
-    CONFLICT_POLICIES,
-    DUPLICATE_POLICIES,
-    MODES,
-    Config,
-    check_max_ttl,
-    check_renew_interval,
-    choice,
-    limits,
-)
+from celery_lease.config import CONFLICT_POLICIES, DUPLICATE_POLICIES, MODES, Config, limits
 from celery_lease.exceptions import LeaseConfigError
 from celery_lease.execution import Execution
 from celery_lease.keys import KeySpec, scoped
@@ -45,6 +36,7 @@ from celery_lease.scope import HEADER_KEYS as HEADER_KEYS
 from celery_lease.scope import HEADER_NOT_BEFORE as HEADER_NOT_BEFORE
 from celery_lease.scope import HEADER_TENANT as HEADER_TENANT
 from celery_lease.scope import publish_headers, resent_headers, store_key
+from celery_lease.setting_readers import check_max_ttl, check_renew_interval, choice
 
 __all__ = ["LeasedTask", "Runtime", "runtime"]
 

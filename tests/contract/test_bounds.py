@@ -27,9 +27,10 @@ from redis.exceptions import ResponseError
 
 import celery_lease
 from celery_lease import LeaseConfigError, LeaseStore
-from celery_lease.config import Config, check_renew_interval
+from celery_lease.config import Config
 from celery_lease.renewal import HeldLease, check_schedule
 from celery_lease.results import ResultTable
+from celery_lease.setting_readers import check_renew_interval
 from celery_lease.stores.base import MAX_TTL, make_lease
 from celery_lease.stores.redis import RedisLeaseStore
 from tests.store_fixtures import new_key, store_url, wait_for
