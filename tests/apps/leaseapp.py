@@ -15,8 +15,9 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from celery import Celery, states
+from celery import Celery, current_task, states
 from celery.exceptions import Ignore
+from celery.signals import before_task_publish
 
 from celery_lease import LeasedTask
 
@@ -193,6 +194,21 @@ class DieAfterCommit(LeasedTask):  # type: ignore[misc]
             record(os.environ.get("CL_LOG"), "committed", task_id=self.request.id, value=value)
             os.kill(os.getpid(), signal.SIGKILL)
         return value
+
+
+@before_task_publish.connect(weak=False, dispatch_uid="leaseapp.die_before_publishing")
+def _die_before_publishing(sender: str | None = None, **_: Any) -> None:
+    """A pool process that is about to publish task ``sender`` SIGKILLs itself
+    first, once per arm: a file ``publish-<task name>`` in ``CL_ARM_DIR``. For a
+    chord's callback that is the header task that counted last, between its
+    count and the callback's publish."""
+    arm_dir = os.environ.get("CL_ARM_DIR")
+    armed = os.path.join(arm_dir, f"publish-{sender}") if arm_dir else None
+    if armed and os.path.exists(armed):
+        os.unlink(armed)
+        member = current_task.request.id if current_task else None
+        record(os.environ.get("CL_LOG"), "dying_before_publish", task=sender, member=member)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def record(path: str | None, event: str, **fields: Any) -> None:
