@@ -247,12 +247,25 @@ _redis_db_numbers = itertools.cycle(range(1, RedisServer.databases))
 
 
 @pytest.fixture
-def redis_url(redis_server: RedisServer) -> str:
-    """URL of a Redis database (1..63, rotating) emptied for this test."""
+def fresh_redis(redis_server: RedisServer) -> Callable[[], str]:
+    """Hands out URLs of the shared server's databases (1..63, rotating), each
+    emptied first. A test never names a database number of its own: one another
+    test used as a broker may still hold that test's messages, which a new
+    worker would run before the test's own."""
     redis_server.ensure_running()
-    db = next(_redis_db_numbers)
-    redis_server.flushdb(db)
-    return redis_server.url(db)
+
+    def fresh() -> str:
+        db = next(_redis_db_numbers)
+        redis_server.flushdb(db)
+        return redis_server.url(db)
+
+    return fresh
+
+
+@pytest.fixture
+def redis_url(fresh_redis: Callable[[], str]) -> str:
+    """URL of a Redis database (1..63, rotating) emptied for this test."""
+    return fresh_redis()
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,8 @@ from tests.workers import Worker, read_log
 def canvas(redis_server: Any, pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     celery_lease.migrate(pg_url)
     tmp = tmp_path_factory.mktemp("canvas")
+    for db in (55, 56, 57):  # module-scoped, so not fresh_redis: emptied here instead
+        redis_server.flushdb(db)
     env = {
         "CL_BROKER": redis_server.url(55),
         "CL_BACKEND": redis_server.url(56),

@@ -12,23 +12,24 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from celery_lease import LeaseStore
 from tests.apps.leaseapp import build
-from tests.servers import RedisServer, wait_for
+from tests.servers import wait_for
 from tests.workers import Worker, read_log
 
 pytestmark = pytest.mark.timeout(150)
 
 
-def _env(redis_server: RedisServer, tmp_path: Path) -> dict[str, str]:
+def _env(fresh_redis: Callable[[], str], tmp_path: Path) -> dict[str, str]:
     url = f"sqlite:///{tmp_path / 'lease.sqlite3'}"
     return {
-        "CL_BROKER": redis_server.url(32),
-        "CL_BACKEND": redis_server.url(33),
+        "CL_BROKER": fresh_redis(),
+        "CL_BACKEND": fresh_redis(),
         "CL_STORE": url,
         "CL_RESULTS": url,
         "CL_TTL": "3",
@@ -53,11 +54,13 @@ def _line(worker: Worker, pattern: str) -> str:
     )
 
 
-def _evicted_run(redis_server: RedisServer, tmp_path: Path) -> tuple[Worker, str, str, int, int]:
+def _evicted_run(
+    fresh_redis: Callable[[], str], tmp_path: Path
+) -> tuple[Worker, str, str, int, int]:
     """A worker whose running body had its lease evicted (with no new owner, the
     task is re-queued and runs again); (worker, key, task id, evicted token,
     token of the accepted result)."""
-    env = _env(redis_server, tmp_path)
+    env = _env(fresh_redis, tmp_path)
     worker = Worker("logs", env, tmp_path, concurrency=2).start()
     _, tasks = build(env)
     key = f"log-{uuid.uuid4().hex[:8]}"
@@ -72,9 +75,9 @@ def _evicted_run(redis_server: RedisServer, tmp_path: Path) -> tuple[Worker, str
 
 
 def test_lease_lost_and_result_accepted_name_key_token_and_task(
-    redis_server: RedisServer, tmp_path: Path
+    fresh_redis: Callable[[], str], tmp_path: Path
 ) -> None:
-    worker, key, task_id, token, accepted_token = _evicted_run(redis_server, tmp_path)
+    worker, key, task_id, token, accepted_token = _evicted_run(fresh_redis, tmp_path)
     try:
         lost = _line(worker, rf"lease lost: key={key} ")
         assert f"lease lost: key={key} token={token} task={task_id} reason=" in lost, lost
@@ -88,9 +91,9 @@ def test_lease_lost_and_result_accepted_name_key_token_and_task(
 
 
 def test_task_transitions_name_key_token_task_and_reason(
-    redis_server: RedisServer, tmp_path: Path
+    fresh_redis: Callable[[], str], tmp_path: Path
 ) -> None:
-    worker, key, task_id, token, _ = _evicted_run(redis_server, tmp_path)
+    worker, key, task_id, token, _ = _evicted_run(fresh_redis, tmp_path)
     try:
         granted = _line(worker, rf"lease granted key={key} token={token} ")
         assert granted.endswith(f"lease granted key={key} token={token} task={task_id}")
@@ -99,7 +102,7 @@ def test_task_transitions_name_key_token_task_and_reason(
         fenced = _line(worker, rf"FENCED {task_id} ")
         assert f"FENCED {task_id} key={key} token={token} reason=" in fenced, fenced
 
-        env = _env(redis_server, tmp_path)
+        env = worker.env  # the same broker and store as the worker's
         _, tasks = build(env)
         first = tasks.work.delay(key, 2.0)
         wait_for(lambda: _started(Path(env["CL_LOG"]), first.id), 30, "the owner to start")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from celery.result import ResultSet
 import celery_lease
 from tests.apps.leaseapp import build
 from tests.census import growth
-from tests.servers import PostgresServer, RedisServer
+from tests.servers import PostgresServer
 from tests.workers import Worker
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,26 +55,24 @@ def _drain(app: Any, task: Any, n: int, tag: str) -> None:
     "config", ["redis+postgresql", "redis lock-only", "sqlite"], ids=lambda c: c.replace(" ", "-")
 )
 def test_a_worker_child_keeps_nothing_per_task(
-    config: str, redis_server: RedisServer, pg_server: PostgresServer, tmp_path: Path
+    config: str, fresh_redis: Callable[[], str], pg_server: PostgresServer, tmp_path: Path
 ) -> None:
     tag = uuid.uuid4().hex[:8]
     if config == "sqlite":
         store = results = f"sqlite:///{tmp_path / 'leases.sqlite3'}"
     else:
-        store = redis_server.url(40)
+        store = fresh_redis()
         results = pg_server.create_database(f"mem_{tag}")
         celery_lease.migrate(results)
     env = {
-        "CL_BROKER": redis_server.url(41),
-        "CL_BACKEND": redis_server.url(42),
+        "CL_BROKER": fresh_redis(),
+        "CL_BACKEND": fresh_redis(),
         "CL_STORE": store,
         "CL_RESULTS": results,
         "CL_TTL": "30",
         "CL_TRACEMALLOC": "1",
         "CL_SETTINGS": json.dumps({"task_track_started": False}),
     }
-    for db in (40, 41, 42):
-        redis_server.flushdb(db)
     app, tasks = build(env)
     task = tasks.lock_only if config == "redis lock-only" else tasks.work
     worker = Worker(f"mem-{tag}", env, tmp_path, concurrency=1)
@@ -114,7 +113,7 @@ def test_a_worker_loads_only_the_drivers_its_stores_need(
     config: str,
     loaded: set[str],
     absent: set[str],
-    redis_server: RedisServer,
+    fresh_redis: Callable[[], str],
     pg_server: PostgresServer,
     tmp_path: Path,
 ) -> None:
@@ -131,9 +130,9 @@ def test_a_worker_loads_only_the_drivers_its_stores_need(
         results = pg_server.create_database(f"drv_{tag}")
         celery_lease.migrate(results)
     env = {
-        "CL_BROKER": redis_server.url(43),
-        "CL_BACKEND": redis_server.url(44),
-        "CL_STORE": redis_server.url(45),
+        "CL_BROKER": fresh_redis(),
+        "CL_BACKEND": fresh_redis(),
+        "CL_STORE": fresh_redis(),
         "CL_RESULTS": results,
     }
     app, tasks = build(env)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,15 +39,15 @@ def metric(samples: dict[str, float], name: str) -> float:
 
 
 def test_counters_move_for_grant_deferral_loss_and_fence(
-    redis_server: object, pg_url: str, tmp_path: Path
+    fresh_redis: Callable[[], str], pg_url: str, tmp_path: Path
 ) -> None:
     celery_lease.migrate(pg_url)
     port = free_port()
     log = tmp_path / "exec.log"
     env = {
-        "CL_BROKER": redis_server.url(21),  # type: ignore[attr-defined]
-        "CL_BACKEND": redis_server.url(22),  # type: ignore[attr-defined]
-        "CL_STORE": redis_server.url(23),  # type: ignore[attr-defined]
+        "CL_BROKER": fresh_redis(),
+        "CL_BACKEND": fresh_redis(),
+        "CL_STORE": fresh_redis(),
         "CL_RESULTS": pg_url,
         "CL_TTL": "2",
         "CL_LOG": str(log),
@@ -131,7 +132,7 @@ def _proc_state(pid: int) -> str:
 
 
 def test_a_sigkilled_childs_held_leases_leave_the_live_gauge(
-    redis_server: object, tmp_path: Path
+    fresh_redis: Callable[[], str], tmp_path: Path
 ) -> None:
     """Two children each hold a lease; one is SIGKILLed (no shutdown signal runs
     in it): the next scrape sums the survivor's lease alone."""
@@ -139,9 +140,9 @@ def test_a_sigkilled_childs_held_leases_leave_the_live_gauge(
     log = tmp_path / "exec.log"
     (tmp_path / "mp").mkdir()
     env = {
-        "CL_BROKER": redis_server.url(24),  # type: ignore[attr-defined]
-        "CL_BACKEND": redis_server.url(25),  # type: ignore[attr-defined]
-        "CL_STORE": redis_server.url(26),  # type: ignore[attr-defined]
+        "CL_BROKER": fresh_redis(),
+        "CL_BACKEND": fresh_redis(),
+        "CL_STORE": fresh_redis(),
         "CL_RESULTS": f"sqlite:///{tmp_path}/results.sqlite3",
         "CL_TTL": "30",
         "CL_LOG": str(log),
@@ -182,7 +183,7 @@ def test_a_sigkilled_childs_held_leases_leave_the_live_gauge(
 
 
 def test_a_worker_start_drops_the_files_dead_processes_left(
-    redis_server: object, tmp_path: Path
+    fresh_redis: Callable[[], str], tmp_path: Path
 ) -> None:
     """A multiprocess directory reused across runs: a dead pid's counter and
     live gauge files are gone once the worker is up, nothing of them scraped."""
@@ -210,9 +211,9 @@ def test_a_worker_start_drops_the_files_dead_processes_left(
     assert any(n.startswith("gauge_livesum_") for n in left), left
     assert any(n.startswith("counter_") for n in left), left
     env = {
-        "CL_BROKER": redis_server.url(27),  # type: ignore[attr-defined]
-        "CL_BACKEND": redis_server.url(28),  # type: ignore[attr-defined]
-        "CL_STORE": redis_server.url(29),  # type: ignore[attr-defined]
+        "CL_BROKER": fresh_redis(),
+        "CL_BACKEND": fresh_redis(),
+        "CL_STORE": fresh_redis(),
         "CL_RESULTS": f"sqlite:///{tmp_path}/results.sqlite3",
         "PROMETHEUS_MULTIPROC_DIR": str(mpdir),
         "CL_SETTINGS": json.dumps({"lease_metrics_port": port}),
@@ -243,13 +244,13 @@ def own_address() -> str:
 
 
 def test_the_metrics_server_listens_on_lease_metrics_addr(
-    redis_server: object, tmp_path: Path
+    fresh_redis: Callable[[], str], tmp_path: Path
 ) -> None:
     addr = own_address()
     port = free_port()
     env = {
-        "CL_BROKER": redis_server.url(24),  # type: ignore[attr-defined]
-        "CL_BACKEND": redis_server.url(25),  # type: ignore[attr-defined]
+        "CL_BROKER": fresh_redis(),
+        "CL_BACKEND": fresh_redis(),
         "CL_STORE": f"sqlite:///{tmp_path / 'lease.sqlite3'}",
         "CL_RESULTS": f"sqlite:///{tmp_path / 'lease.sqlite3'}",
         "CL_SETTINGS": json.dumps({"lease_metrics_port": port, "lease_metrics_addr": addr}),

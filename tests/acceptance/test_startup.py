@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ import pytest
 
 import celery_lease
 from celery_lease.urls import redact_url
-from tests.servers import PostgresServer, RedisServer, free_port
+from tests.servers import PostgresServer, free_port
 from tests.workers import Worker
 
 pytestmark = pytest.mark.timeout(120)
@@ -47,11 +48,11 @@ def _lines(log: str, text: str) -> list[str]:
 
 
 def test_the_banner_is_one_line_naming_store_results_prefix_and_ttl(
-    redis_server: RedisServer, pg_server: PostgresServer, tmp_path: Path
+    fresh_redis: Callable[[], str], pg_server: PostgresServer, tmp_path: Path
 ) -> None:
     results = _with_password(pg_server.create_database(f"banner_{uuid.uuid4().hex[:8]}"), "s3cret")
     celery_lease.migrate(results)
-    store = redis_server.url(30)
+    store = fresh_redis()
     worker = Worker("banner", _env(store, results, {"lease_key_prefix": "acme"}), tmp_path)
     try:
         log = worker.start().log_text()
@@ -84,10 +85,10 @@ def test_an_unreachable_store_at_start_warns_and_the_worker_starts(tmp_path: Pat
 
 
 def test_missing_tables_refuse_to_start_in_one_line(
-    redis_server: RedisServer, pg_server: PostgresServer, tmp_path: Path
+    fresh_redis: Callable[[], str], pg_server: PostgresServer, tmp_path: Path
 ) -> None:
     results = pg_server.create_database(f"bare_{uuid.uuid4().hex[:8]}")  # never migrated
-    worker = Worker("bare", _env(redis_server.url(31), results), tmp_path)
+    worker = Worker("bare", _env(fresh_redis(), results), tmp_path)
     code, log = worker.run_to_exit(timeout=60)
     assert code == 1, log[-3000:]
     assert " ready." not in log

@@ -1,0 +1,29 @@
+"""No test names a database number of the suite's shared Redis server.
+
+Tests take ``fresh_redis()`` / ``redis_url`` (conftest.py): a database from the
+rotation, emptied first. A number of a test's own is one the rotation also
+hands out; used as a broker without emptying, it ran messages an earlier test
+left before the test's own (a CI run waited 30 s for a task that queued
+behind them). Database 0 stays outside the rotation.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+NAMED = re.compile(r"redis_server\.url\((?!0\))\d+\)")
+#: files that empty the databases they name before using them
+EMPTIED_FIRST = {"acceptance/test_task_basics.py", "acceptance/test_canvas.py"}
+
+
+def test_no_test_names_a_database_of_the_shared_redis_server() -> None:
+    named = [
+        f"{path.relative_to(TESTS)}:{n}"
+        for path in sorted(TESTS.rglob("*.py"))
+        if str(path.relative_to(TESTS)) not in EMPTIED_FIRST
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if NAMED.search(line)
+    ]
+    assert named == [], f"use fresh_redis() instead of a database number: {named}"
