@@ -21,7 +21,7 @@ from celery_lease.appstate import app_state
 from celery_lease.exceptions import LeaseConfigError
 from celery_lease.keys import KeyLimits
 from celery_lease.setting_readers import check_renew_interval
-from celery_lease.stores.registry import is_sql_url
+from celery_lease.stores.registry import is_sql_url, resolve
 from celery_lease.urls import redact_url
 
 if TYPE_CHECKING:
@@ -290,7 +290,7 @@ class Config:
                 f"lease_clock_drift must be >= 0 and below lease_ttl ({ttl}), got {drift!r}"
             )
         check_renew_interval(renew, ttl, "lease_renew_interval", drift)
-        read.store_class_of(store_url).check_options(
+        resolve(store_url, "lease_store_url").check_options(
             store_url, values["store_options"], values["key_prefix"]
         )
         values["visibility_timeout"] = _visibility_timeout(conf)

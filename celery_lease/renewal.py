@@ -301,13 +301,12 @@ class HeldLease:
         expires at its TTL) and never replaces it."""
         try:
             self.release()
-        except Exception as e:  # whatever it is, the block's error stands
+        except LeaseError as e:  # a store's errors all arrive as LeaseError
             logger.warning(
                 "could not release (it will expire): key=%s token=%s reason=%s",
                 self.key,
                 self.token,
                 e,
-                exc_info=not isinstance(e, LeaseError),
                 extra={"action": "release_failed", "lease_key": self.key, "token": self.token},
             )
 

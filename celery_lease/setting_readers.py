@@ -17,11 +17,10 @@ from typing import TYPE_CHECKING, Any
 from celery_lease.exceptions import LeaseConfigError
 from celery_lease.renewal import check_schedule
 from celery_lease.stores.base import MAX_TTL
-from celery_lease.stores.registry import known_schemes, store_class
-from celery_lease.urls import redact_url, scheme_of
+from celery_lease.stores.registry import resolve
 
 if TYPE_CHECKING:
-    from celery_lease.stores.base import LeaseStore
+    pass
 
 
 def check_renew_interval(
@@ -94,29 +93,10 @@ def string(name: str, value: Any) -> str:
 
 
 def url(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not scheme_of(value):
-        # Not quoted: without its scheme, or in a list, its password escapes redaction.
-        got = "a string with no scheme://" if isinstance(value, str) else type(value).__name__
-        raise LeaseConfigError(
-            f"{name} must be a URL such as redis://host:6379/1, "
-            f"postgresql+psycopg://host/db or sqlite:///path; got {got}"
-        )
-    scheme = scheme_of(value)
-    store_cls = store_class(scheme)
-    if store_cls is None:
-        raise LeaseConfigError(
-            f"{name}: unknown URL scheme {scheme!r} in {redact_url(value)!r}; "
-            f"known: {', '.join(known_schemes())}"
-        )
+    store_cls = resolve(value, name)
     # Parsed as its client will, so a malformed URL fails at start, naming ``name``.
     store_cls.check_url(name, value)
-    return value
-
-
-def store_class_of(url: str) -> type[LeaseStore]:
-    store_cls = store_class(scheme_of(url))
-    assert store_cls is not None, url  # url accepted it
-    return store_cls
+    return str(value)  # resolve() accepted it: a str
 
 
 def optional(parse: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:

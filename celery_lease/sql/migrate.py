@@ -13,6 +13,8 @@ import os
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy.exc import SQLAlchemyError
+
 from celery_lease.schema import VERSION_TABLE
 from celery_lease.sql.driver import Database, database
 
@@ -73,7 +75,7 @@ def migrate(url: str, revision: str = "head", *, _database: Database | None = No
             try:
                 conn.rollback()
                 _unlock(conn)
-            except Exception:  # noqa: BLE001 - the migration's error is the one to raise
+            except SQLAlchemyError:
                 conn.invalidate()
             raise
         _unlock(conn)

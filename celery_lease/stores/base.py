@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from celery_lease.exceptions import LeaseConfigError, LeaseError, LeaseNotAcquired
 from celery_lease.keys import has_unstorable, shorten
 from celery_lease.renewal import HeldLease, check_schedule, renewer
-from celery_lease.stores.registry import ENTRY_POINT_GROUP, known_schemes, store_class
-from celery_lease.urls import redact_url, scheme_of
+from celery_lease.stores.registry import resolve
+from celery_lease.urls import redact_url
 
 if TYPE_CHECKING:
     from celery_lease.config import Config
@@ -232,14 +232,14 @@ class LeaseStore(ABC):
     def from_url(cls, url: str, **options: Any) -> LeaseStore:
         """The store for ``url``, chosen by scheme: Redis, SQL, etcd, then the
         ``celery_lease.stores`` entry points (:mod:`celery_lease.stores.registry`)."""
-        store: LeaseStore = _store_class(url)(url, **options)  # type: ignore[call-arg]
+        store: LeaseStore = resolve(url, "from_url")(url, **options)  # type: ignore[call-arg]
         return store
 
     @classmethod
     def from_settings(cls, cfg: Config) -> LeaseStore:
         """The store of an app's ``lease_store_url``, ``lease_store_options`` and
         ``lease_key_prefix`` (already validated by :class:`~celery_lease.config.Config`)."""
-        store_cls = _store_class(cfg.store_url)
+        store_cls = resolve(cfg.store_url, "lease_store_url")
         options = store_cls.options_from_settings(cfg.store_options, cfg.key_prefix)
         store: LeaseStore = store_cls(cfg.store_url, **options)  # type: ignore[call-arg]
         return store
@@ -476,21 +476,6 @@ class LeaseStore(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {redact_url(self.url)}>"
-
-
-def _store_class(url: str) -> type[LeaseStore]:
-    if not isinstance(url, str) or not scheme_of(url):
-        # Not quoted: without its scheme the redaction may not find its password.
-        got = "a string with no scheme://" if isinstance(url, str) else type(url).__name__
-        raise LeaseConfigError(f"a lease store URL looks like scheme://..., got {got}")
-    scheme = scheme_of(url)
-    store_cls = store_class(scheme)
-    if store_cls is None:
-        raise LeaseConfigError(
-            f"no lease store for URL scheme {scheme!r} (known: {', '.join(known_schemes())}; "
-            f"others through the {ENTRY_POINT_GROUP!r} entry-point group)"
-        )
-    return store_cls
 
 
 def refuse_key_prefix_option(options: Mapping[str, Any]) -> None:

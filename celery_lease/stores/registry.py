@@ -14,12 +14,12 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import TYPE_CHECKING
 
 from celery_lease.exceptions import LeaseConfigError
-from celery_lease.urls import scheme_of
+from celery_lease.urls import redact_url, scheme_of
 
 if TYPE_CHECKING:
     from celery_lease.stores.base import LeaseStore
 
-__all__ = ["ALIASES", "ENTRY_POINT_GROUP", "is_sql_url", "known_schemes", "store_class"]
+__all__ = ["ALIASES", "ENTRY_POINT_GROUP", "is_sql_url", "known_schemes", "resolve", "store_class"]
 
 #: Entry-point group third-party stores register under (``scheme = module:Class``).
 ENTRY_POINT_GROUP = "celery_lease.stores"
@@ -62,6 +62,26 @@ def aliases() -> dict[str, str]:
 def known_schemes() -> tuple[str, ...]:
     """The schemes :func:`store_class` resolves: built-in first, then entry points."""
     return tuple(aliases())
+
+
+def resolve(url: object, name: str) -> type[LeaseStore]:
+    """The store class for ``url``, or a :class:`LeaseConfigError` naming ``name``
+    (the setting, or the call, that gave the URL) and the known schemes."""
+    if not isinstance(url, str) or not scheme_of(url):
+        # Not quoted: without its scheme, or in a list, its password escapes redaction.
+        got = "a string with no scheme://" if isinstance(url, str) else type(url).__name__
+        raise LeaseConfigError(
+            f"{name} must be a URL such as redis://host:6379/1, "
+            f"postgresql+psycopg://host/db or sqlite:///path; got {got}"
+        )
+    scheme = scheme_of(url)
+    store_cls = store_class(scheme)
+    if store_cls is None:
+        raise LeaseConfigError(
+            f"{name}: unknown URL scheme {scheme!r} in {redact_url(url)!r}; "
+            f"known: {', '.join(known_schemes())}"
+        )
+    return store_cls
 
 
 def store_class(scheme: str) -> type[LeaseStore] | None:

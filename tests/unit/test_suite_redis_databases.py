@@ -2,9 +2,9 @@
 
 Tests take ``fresh_redis()`` / ``redis_url`` (conftest.py): a database from the
 rotation, emptied first. A number of a test's own is one the rotation also
-hands out; used as a broker without emptying, it ran messages an earlier test
-left before the test's own (a CI run waited 30 s for a task that queued
-behind them). Database 0 stays outside the rotation.
+hands out; used as a broker without emptying, it holds messages an earlier
+test left, which a new worker runs before the test's own. Database 0 stays
+outside the rotation.
 """
 
 from __future__ import annotations
