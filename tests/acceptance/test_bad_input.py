@@ -28,7 +28,7 @@ import json
 import math
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -405,12 +405,12 @@ def test_keys_of_any_content_end_to_end_through_a_task_on_every_store(
     ],
 )
 def test_worker_refuses_to_start_naming_the_setting(
-    settings: dict[str, Any], expected: str, redis_server: RedisServer, tmp_path: Path
+    settings: dict[str, Any], expected: str, fresh_redis: Callable[[], str], tmp_path: Path
 ) -> None:
     settings = dict(settings)
     env = {
-        "CL_BROKER": redis_server.url(0),
-        "CL_BACKEND": redis_server.url(0),
+        "CL_BROKER": fresh_redis(),
+        "CL_BACKEND": fresh_redis(),
         "CL_STORE": settings.pop("lease_store_url"),
         "CL_RESULTS": f"sqlite:///{tmp_path / 'r.sqlite3'}",
         "CL_SETTINGS": json.dumps(settings),
@@ -451,13 +451,13 @@ def test_a_real_worker_runs_tasks_with_any_key(
 
 
 def test_a_renew_interval_too_long_for_the_apps_ttl(
-    redis_server: RedisServer, tmp_path: Path
+    fresh_redis: Callable[[], str], tmp_path: Path
 ) -> None:
     """Only with the app's TTL (3 s) is the task's interval (20 s) wrong: the worker refuses
     to start naming both; a direct ``apply()`` fails before claiming (the key stays free)."""
     env = {
-        "CL_BROKER": redis_server.url(0),
-        "CL_BACKEND": redis_server.url(0),
+        "CL_BROKER": fresh_redis(),
+        "CL_BACKEND": fresh_redis(),
         "CL_STORE": f"sqlite:///{tmp_path / 'l.sqlite3'}",
     }
     code, log = Worker("badrenew", env, tmp_path, app="tests.apps.badrenewapp").run_to_exit(60)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.servers import RedisServer
 from tests.workers import Worker
 
 pytestmark = pytest.mark.timeout(90)
@@ -29,10 +29,12 @@ pytestmark = pytest.mark.timeout(90)
 # --------------------------------------------------------------------------
 
 
-def _env(redis_server: RedisServer, tmp_path: Path, settings: dict[str, Any]) -> dict[str, str]:
+def _env(
+    fresh_redis: Callable[[], str], tmp_path: Path, settings: dict[str, Any]
+) -> dict[str, str]:
     return {
-        "CL_BROKER": redis_server.url(0),
-        "CL_BACKEND": redis_server.url(0),
+        "CL_BROKER": fresh_redis(),
+        "CL_BACKEND": fresh_redis(),
         "CL_STORE": f"sqlite:///{tmp_path / 'lease.sqlite3'}",
         "CL_RESULTS": f"sqlite:///{tmp_path / 'lease.sqlite3'}",
         "CL_SETTINGS": json.dumps(settings),
@@ -77,9 +79,9 @@ BAD_SETTINGS: list[tuple[dict[str, Any], list[str]]] = [
     ("settings", "expected"), BAD_SETTINGS, ids=[json.dumps(s) for s, _ in BAD_SETTINGS]
 )
 def test_worker_refuses_to_start_with_a_bad_setting(
-    settings: dict[str, Any], expected: list[str], redis_server: RedisServer, tmp_path: Path
+    settings: dict[str, Any], expected: list[str], fresh_redis: Callable[[], str], tmp_path: Path
 ) -> None:
-    worker = Worker("bad", _env(redis_server, tmp_path, settings), tmp_path)
+    worker = Worker("bad", _env(fresh_redis, tmp_path, settings), tmp_path)
     code, log = worker.run_to_exit(timeout=60)
     assert code != 0, f"the worker accepted {settings} and exited {code}:\n{log[-3000:]}"
     assert " ready." not in log, f"the worker started with {settings}:\n{log[-3000:]}"
@@ -90,9 +92,9 @@ def test_worker_refuses_to_start_with_a_bad_setting(
 
 
 def test_worker_warns_about_a_typo_naming_the_setting(
-    redis_server: RedisServer, tmp_path: Path
+    fresh_redis: Callable[[], str], tmp_path: Path
 ) -> None:
-    worker = Worker("typo", _env(redis_server, tmp_path, {"lease_tll": 5}), tmp_path)
+    worker = Worker("typo", _env(fresh_redis, tmp_path, {"lease_tll": 5}), tmp_path)
     try:
         worker.start(timeout=60)  # a typo is a warning, not a refusal
         log = worker.log_text()
@@ -103,9 +105,9 @@ def test_worker_warns_about_a_typo_naming_the_setting(
 
 
 def test_worker_refuses_a_key_template_naming_a_missing_argument(
-    redis_server: RedisServer, tmp_path: Path
+    fresh_redis: Callable[[], str], tmp_path: Path
 ) -> None:
-    worker = Worker("badkey", _env(redis_server, tmp_path, {}), tmp_path, app="tests.apps.badapp")
+    worker = Worker("badkey", _env(fresh_redis, tmp_path, {}), tmp_path, app="tests.apps.badapp")
     code, log = worker.run_to_exit(timeout=60)
     assert code != 0, log[-3000:]
     assert " ready." not in log, log[-3000:]
@@ -133,14 +135,14 @@ def test_worker_refuses_a_key_template_naming_a_missing_argument(
     ],
 )
 def test_worker_refuses_task_options_that_do_not_fit_the_app_settings(
-    bad: str, expected: str, redis_server: RedisServer, tmp_path: Path
+    bad: str, expected: str, fresh_redis: Callable[[], str], tmp_path: Path
 ) -> None:
     """Each setting is fine alone; only the task's options and the app's together are wrong.
 
     Without the check at start, the worker ran and every execution of the task
     failed after claiming its lease (or renewed too rarely), so it must fail here.
     """
-    env = {**_env(redis_server, tmp_path, {}), "CL_BAD": bad}
+    env = {**_env(fresh_redis, tmp_path, {}), "CL_BAD": bad}
     worker = Worker(f"bad{bad}", env, tmp_path, app="tests.apps.badapp")
     try:
         code, log = worker.run_to_exit(timeout=20)

@@ -24,13 +24,13 @@ import json
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import redis
 
 from celery_lease import LeaseStore
-from tests.servers import RedisServer
 from tests.store_fixtures import CLIENT, PYTHON, STORE_KINDS, client_env, new_key, store_url
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,11 +165,11 @@ def check_exclusion(grants: list[dict[str, Any]]) -> dict[str, int]:
 
 @pytest.mark.parametrize("kind", STORE_KINDS)
 def test_one_owner_at_a_time_under_contention(
-    kind: str, request: pytest.FixtureRequest, redis_server: RedisServer
+    kind: str, request: pytest.FixtureRequest, fresh_redis: Callable[[], str]
 ) -> None:
     url = store_url(request, kind)
     key = new_key("contended")
-    counter_url = redis_server.url(0)
+    counter_url = fresh_redis()
     counter_key = f"contention-inside-{uuid.uuid4().hex}"
     store = LeaseStore.from_url(url)  # migrates SQLite once, before the crowd arrives
     try:

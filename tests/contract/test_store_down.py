@@ -53,8 +53,8 @@ def down(
     """A store URL whose server is down, a store that used it before, a lease it held."""
     stop: Callable[[], None]
     if request.param == "redis":
-        redis_server = make_redis_server(appendonly=False)
-        url, port, stop = redis_server.url(0), redis_server.port, redis_server.stop
+        server = make_redis_server(appendonly=False)
+        url, port, stop = server.url(0), server.port, server.stop
     elif request.param == "postgresql":
         pg_server = make_pg_server()
         url, port, stop = pg_server.create_database("down"), pg_server.port, pg_server.stop
