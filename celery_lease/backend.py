@@ -17,12 +17,9 @@ groups (``GroupResult.save``/``restore``), ``forget``, ``get_many`` (one
 ``IN`` read per poll, so ``join_native``), and chords through Celery's own
 counter: every header member ends with an atomic ``incr`` of the chord's
 key, and the member that reads the header's size publishes the callback.
-A member counts once: two copies of one leased task id can both reach that
-end (a stale lock-only copy finishing after a newer one; a redelivery storing
-the accepted value while the committer's tracer still runs), and a second
-count would send the callback before the last member finished. So a copy
-whose state write the fence refused counts nothing, and the count marks the
-task id in its transaction (``meta_once``): a mark already there, no count.
+Each member counts once, and a last member that dies before the publish
+leaves its chord to be finished by another worker:
+:mod:`celery_lease.backend_chords`.
 :class:`~celery.backends.base.BaseBackend` (what Celery's own SQL backend
 uses) would mean re-implementing the state, group and chord methods, and its
 chords fall back to ``celery.chord_unlock``, a task that polls the header
@@ -90,7 +87,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -101,6 +97,7 @@ from celery.backends.base import KeyValueStoreBackend
 from celery.exceptions import BackendGetMetaError
 from kombu.utils.encoding import bytes_to_str
 
+from celery_lease import backend_chords as chords
 from celery_lease import metrics
 from celery_lease.backend_url import (
     SCHEME,
@@ -112,7 +109,6 @@ from celery_lease.backend_url import (
 from celery_lease.exceptions import StoreUnavailable
 from celery_lease.result_commit import MetaRecord
 from celery_lease.sql import Database, database
-from celery_lease.sql import meta_queries as mq
 from celery_lease.sql.dialects import key_params
 from celery_lease.sql.migrate import ensure_schema
 from celery_lease.urls import redact_url
@@ -130,9 +126,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-#: The chord member this thread is counting (:meth:`LeaseBackend.incr`).
-_counting = threading.local()
 
 #: Keys read per statement by :meth:`LeaseBackend.mget` (SQLite binds at most
 #: 32,766 parameters; a group of any size stays under it).
@@ -344,27 +337,12 @@ class LeaseBackend(KeyValueStoreBackend):  # type: ignore[misc]
             self._refused(text_key, state, None)
 
     def delete(self, key: str) -> None:
-        with self.db.single() as conn:
-            conn.execute(mq.META_DELETE, {"key": _text(key)})
+        text_key = _text(key)
+        chords.delete(self.db, text_key, chord=text_key.startswith(self.chord_keyprefix))
 
     def incr(self, key: str) -> int:
-        """Add one to ``key``'s counter and return the new value (atomic).
-
-        A transaction rather than an autocommit statement: a statement is sent
-        again only when its connection died before the transaction committed,
-        so a lost reply never counts one chord member twice. Counting a chord
-        member (:meth:`on_chord_part_return`), the transaction first marks its
-        task id; a member marked already returns 0: below any header's size,
-        so Celery sends nothing and only renews the chord's expiries.
-        """
-        member = getattr(_counting, "member", None)
-        with self.db.transaction() as conn:
-            if member is not None:
-                mark = {"key": f"{_text(key)}.{member}", "ttl": _seconds(self._chord_ttl())}
-                if conn.execute(self.db.sql.meta_once, mark).first() is None:
-                    return 0
-            value = conn.execute(self.db.sql.meta_incr, {"key": _text(key)}).scalar_one()
-        return int(value)
+        """Add one to ``key``'s counter and return it (a chord's count: backend_chords)."""
+        return chords.count(self.db, _text(key), _seconds(self._chord_ttl()))
 
     def _chord_ttl(self) -> Any:
         """How long a chord's counter and marks live: Celery 5.7's ``chord_expires``
@@ -372,17 +350,19 @@ class LeaseBackend(KeyValueStoreBackend):  # type: ignore[misc]
         ``result_expires``, so the marks live as long."""
         return getattr(self, "chord_expires", self.expires)
 
+    def restore_group(self, group_id: str, cache: bool = True) -> Any:
+        group = super().restore_group(group_id, cache=cache)
+        chords.restored(group_id, group)
+        return group
+
     def on_chord_part_return(self, request: Any, state: str, result: Any, **kwargs: Any) -> Any:
         """Celery's chord count, each header member once (the module's docstring)."""
         writer = writer_of(request)
         if writer is not None and writer.refused:
             logger.info("result backend: %s's state was refused: no chord count", request.id)
             return None
-        _counting.member = getattr(request, "id", None)
-        try:
+        with chords.counting(request):
             return super().on_chord_part_return(request, state, result, **kwargs)
-        finally:
-            _counting.member = None
 
     def expire(self, key: str, value: Any) -> None:
         """Make ``key`` expire ``value`` seconds from now (0 or None: never)."""
@@ -480,9 +460,11 @@ class LeaseBackend(KeyValueStoreBackend):  # type: ignore[misc]
     # -- retention -------------------------------------------------------------
 
     def cleanup(self) -> int:
-        """Delete the rows past their expiry (Celery beat's ``celery.backend_cleanup``)."""
-        with self.db.single() as conn:
+        """Delete the rows past their expiry, and the due marks of expired chords
+        (Celery beat's ``celery.backend_cleanup``)."""
+        with self.db.transaction() as conn:
             deleted = conn.execute(self.db.sql.meta_cleanup).rowcount
+            conn.execute(self.db.sql.chord_due_cleanup)
         logger.info(
             "result backend: deleted %d expired record(s)",
             deleted,

@@ -22,6 +22,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 __all__ = [
     "VERSION_TABLE",
+    "chord_due",
     "ended",
     "fences",
     "leases",
@@ -137,4 +138,25 @@ task_meta = Table(
     Column("expires_at", Double, nullable=True),
     Column("token", BigInteger, nullable=True),
     Index(None, "expires_at"),
+)
+
+#: The chords whose last header member was counted and whose callback is not
+#: known to be published (``celery_lease.backend_chords``): a row is written in
+#: the transaction of the count that reached the header's size and deleted
+#: with the chord's counter once Celery is done with it (published, or the
+#: chord failed). A row that outlives the publish window names a chord whose
+#: last member died between its count and the publish: a worker publishes the
+#: callback then. ``key`` is the counter's key (``chord-unlock-<group id>``),
+#: ``callback`` the callback's signature as JSON; ``claimed_until``: a worker
+#: is publishing it until then.
+chord_due = Table(
+    "celery_lease_chord_due",
+    metadata,
+    Column("key", Text, primary_key=True),
+    Column("group_id", Text, nullable=False),
+    Column("callback", Text, nullable=False),
+    Column("due_at", Double, nullable=False),
+    Column("expires_at", Double, nullable=True),
+    Column("claimed_until", Double, nullable=True),
+    Index(None, "due_at"),
 )

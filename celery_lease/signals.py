@@ -6,6 +6,9 @@
   ``lease_clock_drift`` against a task's own ``lease_ttl``), so a wrong one
   stops the worker with a one-line message naming it; then the store and
   database checks and the banner (:mod:`celery_lease.startup`);
+- worker start and stop (bootstep, main process): with a ``lease+`` result
+  backend, the thread that finishes the chords whose last member's worker died
+  before publishing the callback (:class:`celery_lease.backend_chords.ChordWatch`);
 - each prefork child builds its own stores: the app's runtime is kept with the
   pid that made it (``task.runtime``), and connection pools are reset by
   ``os.register_at_fork`` hooks, so nothing is shared with the parent;
@@ -72,6 +75,18 @@ class LeaseBootstep(bootsteps.StartStopStep):  # type: ignore[misc]
             from celery_lease import metrics_server
 
             metrics_server.start(cfg.metrics_port, cfg.metrics_addr)
+        from celery_lease.backend import LeaseBackend
+
+        if isinstance(worker.app.backend, LeaseBackend):
+            from celery_lease.backend_chords import ChordWatch
+
+            self._chords = ChordWatch(worker.app.backend)
+            self._chords.start()
+
+    def stop(self, worker: Any) -> None:
+        chords = getattr(self, "_chords", None)
+        if chords is not None:
+            chords.stop()
 
 
 def warn_unconfirmed_publish(app: Any) -> bool:

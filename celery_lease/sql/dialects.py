@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
 
-from celery_lease.sql import meta_queries, queries
+from celery_lease.sql import chord_queries, meta_queries, queries
+from celery_lease.sql.chord_queries import _CHORD_DUE_CLAIM, _CHORD_DUE_CLEANUP, _CHORD_DUE_MARK
 from celery_lease.sql.meta_queries import (
     _META_CLEANUP,
     _META_COMMIT,
@@ -135,6 +136,11 @@ class Dialect:
         self.meta_expire = _META_EXPIRE.format(now=now)
         #: Delete the expired rows.
         self.meta_cleanup = _META_CLEANUP.format(now=now)
+        #: A chord due its callback (celery_lease/backend_chords.py): marked by the
+        #: last count, claimed by the worker that publishes it late, swept.
+        self.chord_due_mark = _CHORD_DUE_MARK.format(now=now)
+        self.chord_due_claim = _CHORD_DUE_CLAIM.format(now=now)
+        self.chord_due_cleanup = _CHORD_DUE_CLEANUP.format(now=now)
 
     # Over n keys (an ``IN`` list; parameters named by :func:`key_params`).
 
@@ -217,7 +223,7 @@ def rendered(dialect: str) -> Iterator[tuple[str, str]]:
     """``(name, text)`` of every client statement ``dialect`` can run, n-key
     ones for one key, in ``:name`` form (for the benchmarks' tables and tests)."""
     pg = dialect == "postgresql"
-    for module in (queries, meta_queries):
+    for module in (queries, meta_queries, chord_queries):
         for name, value in vars(module).items():
             public = name[0] != "_" and name.isupper() and name[-3:] not in ("_PY", "_FN")
             if public and isinstance(value, str) and (pg or not name.startswith("PG_")):
@@ -243,6 +249,9 @@ def rendered(dialect: str) -> Iterator[tuple[str, str]]:
     yield "meta_once", d.meta_once
     yield "meta_expire", d.meta_expire
     yield "meta_cleanup", d.meta_cleanup
+    yield "chord_due_mark", d.chord_due_mark
+    yield "chord_due_claim", d.chord_due_claim
+    yield "chord_due_cleanup", d.chord_due_cleanup
     yield "release_in", d.release_in(1)
     yield "select_leases_in", d.select_leases_in(1)
     yield "lease_row", d.lease_row

@@ -96,9 +96,10 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
         """A plain task (no lease): ``x + y``; a TypeError for operands that do not add."""
         return x + y
 
-    @app.task(shared=False, name="leaseapp.collect")
-    def collect(results: list[Any]) -> list[Any]:
-        """A plain chord callback: what the members returned, in order."""
+    @app.task(bind=True, shared=False, name="leaseapp.collect")
+    def collect(self: Any, results: list[Any]) -> list[Any]:
+        """A plain chord callback: what the members returned, in order (each run logged)."""
+        record(env("CL_LOG"), "collected", task_id=self.request.id)
         return results
 
     @app.task(base=LeasedTask, bind=True, shared=False, name="leaseapp.fail_on", lease_key="{key}")
