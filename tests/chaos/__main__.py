@@ -36,10 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated")
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument(
+        "--chords", type=int, default=0, help="chords of 3 exclusive members (--backend lease)"
+    )
     a = p.parse_args(argv)
     kinds = tuple(k for k in a.kinds.split(",") if k)
     if a.store == "pg":
         kinds = tuple(k for k in kinds if k not in REDIS_STORE_KINDS)
+    if a.chords and a.backend != "lease":
+        # Celery's Redis backend loses a chord whose last member dies before the publish.
+        p.error("--chords needs --backend lease")
     unknown = set(kinds) - set(KINDS)
     if unknown:
         p.error(f"unknown fault kinds {sorted(unknown)}; known: {', '.join(KINDS)}")
@@ -47,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         duration=a.duration, seed=a.seed, workers=a.workers, concurrency=a.concurrency,
         tasks=a.tasks, keys=a.keys, broker=a.broker, backend=a.backend, store=a.store,
         ttl=a.ttl, vt=a.vt, fault_rate=a.fault_rate, settle=a.settle, kinds=kinds,
-        workdir=a.workdir, quiet=a.quiet,
+        workdir=a.workdir, quiet=a.quiet, chords=a.chords,
     )  # fmt: skip
     result = run(opts)
     print(result.table)

@@ -28,6 +28,10 @@ than ``lease_defer_max`` times.
 
 Every leased task here has one armed-only fault, ``kill_after_commit``: see
 :class:`ChaosTask`.
+
+``chaos.collect`` is the callback of the chords a run with ``--chords``
+submits over ``chaos.exclusive`` members: a plain task that records a
+``collected`` line (its task id, the values it got) per run.
 """
 
 from __future__ import annotations
@@ -171,6 +175,12 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
             **options,
         )(run)
 
+    @app.task(bind=True, shared=False, name="chaos.collect")
+    def collect(self: Any, values: list[Any]) -> list[Any]:
+        """A chord's callback (a plain task): each run and what it got, in the history."""
+        record(history, "collected", task_id=self.request.id, values=values)
+        return values
+
     tasks = SimpleNamespace(
         exclusive=leased("exclusive"),
         once=leased("once", lease_mode="once", lease_on_duplicate="reject"),
@@ -178,6 +188,7 @@ def build(environ: Mapping[str, str]) -> tuple[Celery, SimpleNamespace]:
         probe=leased("probe", lease_ttl=1.0),
     )
     names = {t.name for t in vars(tasks).values()}
+    tasks.collect = collect
 
     def prerun(task_id: str = "", task: Any = None, **kwargs: Any) -> None:
         if task is None or task.name not in names:

@@ -85,6 +85,9 @@ Definitions (the violation kinds it reports):
     FAILURE stands, never turned ``SUCCESS`` by another copy.
 ``unexpected_failure``
     Any other ``FAILURE`` (``DuplicateResult`` is expected in ``once`` mode).
+``chord_lost``, ``chord_callback``
+    A chord's callback ends, with what its header gives
+    (:mod:`tests.chaos.chord_checks`).
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ from tests.chaos.backend_checks import (
     check_backend_tokens,
     check_ended,
 )
+from tests.chaos.chord_checks import check_chords
 from tests.chaos.history import (
     EPS,
     FINAL,
@@ -109,6 +113,7 @@ from tests.chaos.history import (
     Accepted,
     Attempt,
     Backend,
+    Chord,
     History,
     Protected,
     Report,
@@ -125,6 +130,7 @@ __all__ = [
     "Accepted",
     "Attempt",
     "Backend",
+    "Chord",
     "History",
     "Protected",
     "Report",
@@ -219,6 +225,8 @@ def check(h: History) -> Report:
     if h.backend_history is not None:
         out += check_backend_history(h, subs)
         out += check_backend_tokens(h, subs)
+    chord_violations, chord_figures = check_chords(h.chords, h.backend, h.callbacks, h.collected)
+    out += chord_violations
 
     figures = {
         "tasks": len(h.submissions),
@@ -233,6 +241,8 @@ def check(h: History) -> Report:
         "lost_broker": len(lost_broker),
         "ended": len(h.ended),
     }
+    if h.chords:
+        figures.update(chord_figures)
     return Report(out, lost_plugin, lost_broker, lost_keys_broker, figures)
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "Accepted",
     "Attempt",
     "Backend",
+    "Chord",
     "History",
     "Protected",
     "Report",
@@ -131,6 +132,15 @@ class Backend:
 
 
 @dataclass(frozen=True)
+class Chord:
+    """A chord a run submitted: its callback's task id and its header's task ids,
+    in header order (each header member is also a :class:`Submission`)."""
+
+    callback_id: str
+    members: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Violation:
     kind: str
     key: str | None
@@ -154,6 +164,11 @@ class History:
     backend_history: dict[str, list[Backend]] | None = None
     #: the end marks, task id -> the token that ended it
     ended: dict[str, int] = field(default_factory=dict)
+    #: the chords submitted (``--chords``), their callbacks' final states and
+    #: each callback run's values (tests/chaos/chord_checks.py)
+    chords: list[Chord] = field(default_factory=list)
+    callbacks: dict[str, Backend] = field(default_factory=dict)
+    collected: dict[str, list[Any]] = field(default_factory=dict)
 
 
 @dataclass

@@ -24,7 +24,6 @@ import random
 import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,8 +42,11 @@ from tests.chaos.checker import (
     Submission,
     check,
 )
+from tests.chaos.chord_checks import count_recovered, read_collected
 from tests.chaos.cluster import Cluster
 from tests.chaos.faults import KINDS, Injector
+from tests.chaos.history import Chord
+from tests.chaos.plan import plan, plan_chords
 from tests.chaos.records import ClockMap, count_log_states, read_history
 from tests.chaos.table import format_table
 
@@ -71,6 +73,9 @@ class Options:
     kinds: tuple[str, ...] = KINDS
     workdir: Path | None = None
     quiet: bool = False
+    #: chords of CHORD_SIZE ``exclusive`` members each, spread like the tasks
+    #: (their own seeded plan; needs a backend with chords: ``lease``)
+    chords: int = 0
 
 
 @dataclass
@@ -86,50 +91,6 @@ class RunResult:
     @property
     def ok(self) -> bool:
         return self.report.ok
-
-
-# -- the plan ---------------------------------------------------------------
-
-
-def plan(opts: Options) -> list[dict[str, Any]]:
-    """The seeded submission plan: when, which task id, key, policy, duration."""
-    rng = random.Random(opts.seed)
-    n_once = max(1, round(opts.keys * 0.35))
-    n_excl = max(1, opts.keys - n_once)
-    excl = [f"x{i:02d}" for i in range(n_excl)]
-    once = [f"o{i:02d}" for i in range(n_once)]
-    window = opts.duration * 0.7
-    out = []
-    for n in range(opts.tasks):
-        r = rng.random()
-        if r < 0.7:
-            policy, key = "exclusive", rng.choice(excl)
-        else:
-            policy = "once" if rng.random() < 0.5 else "once_return"
-            key = rng.choice(once)
-        d = rng.random()
-        if d < 0.55:
-            duration = rng.uniform(0.05, 1.0)
-        elif d < 0.85:
-            duration = rng.uniform(1.0, opts.ttl)
-        else:
-            duration = rng.uniform(opts.ttl, 3 * opts.ttl)
-        out.append(
-            {
-                "n": n,
-                "at": window * n / max(1, opts.tasks),
-                "task_id": str(uuid.UUID(int=rng.getrandbits(128), version=4)),
-                "key": key,
-                "policy": policy,
-                "duration": round(duration, 3),
-            }
-        )
-    # Every key gets work even in tiny runs.
-    for i, key in enumerate(excl + once):
-        if i < len(out) and key not in {p["key"] for p in out}:
-            out[i]["key"] = key
-            out[i]["policy"] = "exclusive" if key.startswith("x") else "once"
-    return out
 
 
 # -- the run ----------------------------------------------------------------
@@ -163,6 +124,8 @@ class Run:
         self.stalls: list[dict[str, Any]] = []
         self._submit_lock = threading.Lock()
         self.publish_errors = 0
+        #: the chords submitted (``--chords``)
+        self.chords: list[Chord] = []
 
     def log(self, msg: str) -> None:
         line = f"[{time.monotonic() - self.t0:7.1f}s] {msg}"
@@ -202,6 +165,10 @@ class Run:
                 target=self.submit, args=(the_plan, time.monotonic()), daemon=True
             )
             submitter.start()
+            chord_submitter = threading.Thread(
+                target=self.submit_chords, args=(plan_chords(opts), time.monotonic()), daemon=True
+            )
+            chord_submitter.start()
             injector = Injector(
                 self.cluster, self.rng, rate=opts.fault_rate, kinds=opts.kinds, log=self.log
             )
@@ -211,6 +178,7 @@ class Run:
             # from applying get half the duration again, alone.
             injector.run(until, cover_within=opts.duration / 2)
             submitter.join()
+            chord_submitter.join()
             self.log(f"healed; faults: {dict(injector.counts)}; settling")
             settled, pending = self.settle(opts.settle)
             self.cluster.stop_supervising()
@@ -267,6 +235,39 @@ class Run:
             self._submitted(item)
         self.log(f"submitted {len(self.submitted)} tasks")
 
+    def submit_chords(self, the_plan: list[dict[str, Any]], t0: float) -> None:
+        """Each planned chord, published at its time: its members (``chaos.exclusive``,
+        each also a submission) and its callback ``chaos.collect``."""
+        from celery import chord
+
+        for item in the_plan:
+            delay = t0 + item["at"] - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            header = [
+                self.tasks.exclusive.s(m["key"], m["duration"], m["n"]).set(task_id=m["task_id"])
+                for m in item["members"]
+            ]
+            callback = self.tasks.collect.s().set(task_id=item["callback_id"])
+            while True:
+                try:
+                    # A failed publish goes again whole, under a new group id: a
+                    # member the first one sent counts in a chord nobody waits for.
+                    chord(header, callback).apply_async(retry=True)
+                    break
+                except Exception as e:  # noqa: BLE001 - the broker is being faulted
+                    self.publish_errors += 1
+                    self.log(f"publish of chord {item['callback_id']} failed ({e!r}); retrying")
+                    time.sleep(0.5)
+            for m in item["members"]:
+                self._submitted({**m, "at": item["at"], "chord": item["callback_id"]})
+            with self._submit_lock:
+                self.chords.append(
+                    Chord(item["callback_id"], tuple(m["task_id"] for m in item["members"]))
+                )
+        if the_plan:
+            self.log(f"submitted {len(self.chords)} chords")
+
     def _submitted(self, item: dict[str, Any]) -> None:
         with self._submit_lock:
             self.submitted.append(item)
@@ -318,7 +319,7 @@ class Run:
         return total
 
     def settle(self, timeout: float) -> tuple[bool, int]:
-        ids = [p["task_id"] for p in self.submitted]
+        ids = [p["task_id"] for p in self.submitted] + [c.callback_id for c in self.chords]
         deadline = time.monotonic() + timeout
         quiet_since: float | None = None
         stuck_since: float | None = None
@@ -432,7 +433,11 @@ class Run:
         extra["supervisor_restarts"] = c.supervisor_restarts
         extra["liveness_restarts"] = c.liveness_restarts
         extra["publish_errors"] = self.publish_errors
+        callbacks = self.backend.states([c.callback_id for c in self.chords])
         history = History(
+            chords=list(self.chords),
+            callbacks={tid: backends.backend_of(meta) for tid, meta in callbacks.items()},
+            collected=read_collected(c.history),
             submissions=subs,
             attempts=attempts,
             accepted=accepted,
@@ -476,6 +481,8 @@ class Run:
             f["broker_aof_commands"] = extra["aof_commands"]
             f["broker_aof_complete"] = extra["aof_complete"]
         f["settled"] = settled
+        if self.chords:
+            f["chords_recovered"] = count_recovered(self.cluster.logdir)
         writes = [b for bs in (self.backend_history or {}).values() for b in bs]
         f["backend_writes"] = len(writes)
         f["backend_writes_tokened"] = sum(1 for b in writes if b.token is not None)

@@ -61,6 +61,15 @@ def format_table(f: dict[str, Any], report: Report) -> str:
         # transport lost counts as lost by the plugin: say which it was.
         rows.append(("broker AOF replay complete (proves transport losses)",
                      str(f["broker_aof_complete"])))  # fmt: skip
+    if f.get("chords"):
+        rows += [
+            ("chords (3 leased members each)", str(f["chords"])),
+            ("chords: callback got its header / failed as a member did / a member lost",
+             f"{f['chords_succeeded']} / {f['chords_failed']} / {f['chords_member_lost']}"),
+            ("chords: callback runs", str(f["chord_callback_runs"])),
+            ("chords: callbacks published by another worker (last member died)",
+             str(f["chords_recovered"])),
+        ]  # fmt: skip
     rows += [
         ("lost tasks: plugin", str(f["lost_plugin"])),
         ("lost tasks: broker transport", str(f["lost_broker"])),

@@ -26,6 +26,7 @@ from tests.chaos.checker import (
     Accepted,
     Attempt,
     Backend,
+    Chord,
     History,
     Protected,
     Submission,
@@ -491,3 +492,68 @@ def test_the_clock_map_follows_a_step_of_the_real_time_clock() -> None:
     assert clock.real(150.0) == 1_150.0
     assert clock.real(250.0) == 1_265.0
     assert clock.real(50.0) == 1_050.0  # before the first sample: the first offset
+
+
+# -- chords (tests/chaos/chord_checks.py) ---------------------------------------------
+
+
+def chorded(callback: Backend | None, runs: list[list[object]] | None = None) -> History:
+    """The clean history, with T1 and T2 the header of a chord whose callback is C."""
+    h = clean()
+    h.chords = [Chord("C", ("T1", "T2"))]
+    if callback is not None:
+        h.callbacks = {"C": callback}
+    h.collected = {"C": runs} if runs is not None else {}
+    return h
+
+
+def test_a_chord_whose_callback_got_its_header_passes() -> None:
+    header = [value(10), value(20)]
+    h = chorded(Backend("SUCCESS", result=header), [header])
+    report = check(h)
+    assert report.violations == []
+    assert report.figures["chords_succeeded"] == 1
+
+
+def test_a_callback_run_twice_with_the_same_values_passes() -> None:
+    """At least once: a worker killed after the publish, before Celery's clean-up."""
+    header = [value(10), value(20)]
+    assert kinds(chorded(Backend("SUCCESS", result=header), [header, header])) == set()
+
+
+def test_a_chord_whose_callback_never_ended_is_lost() -> None:
+    assert kinds(chorded(None)) == {"chord_lost"}
+    assert kinds(chorded(Backend("PENDING"))) == {"chord_lost"}
+
+
+@pytest.mark.parametrize(
+    "callback, runs",
+    [
+        (Backend("SUCCESS", result=[value(20), value(10)]), [[value(20), value(10)]]),  # order
+        (Backend("SUCCESS", result=[value(10), value(20)]), []),  # stored, never ran
+        (Backend("SUCCESS", result=[value(10), value(20)]), [[value(10)]]),  # a run short
+        (Backend("FAILURE", "ChordError", ("x",)), []),  # failed over a header of successes
+    ],
+    ids=["order", "never-ran", "run-short", "failed"],
+)
+def test_a_callback_that_does_not_match_its_header_is_reported(
+    callback: Backend, runs: list[list[object]]
+) -> None:
+    assert kinds(chorded(callback, runs)) == {"chord_callback"}
+
+
+def test_a_chord_with_a_failed_member_fails_its_callback() -> None:
+    h = chorded(Backend("FAILURE", "ChordError", ("Dependency T5 raised",)))
+    h.chords = [Chord("C", ("T1", "T5"))]
+    assert kinds(h) == set()
+    h.collected = {"C": [[value(10), None]]}
+    assert kinds(h) == {"chord_callback"}, "a callback ran over a failed header"
+
+
+def test_a_chord_with_a_member_lost_is_left_to_lost_task() -> None:
+    h = chorded(None)
+    h.backend = {k: v for k, v in h.backend.items() if k != "T2"}
+    h.transport_lost = {"T2": "popped, never recorded unacked"}
+    report = check(h)
+    assert report.violations == [] and report.lost_broker == ["T2"]
+    assert report.figures["chords_member_lost"] == 1
