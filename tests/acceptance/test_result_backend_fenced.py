@@ -223,6 +223,18 @@ def test_canvas_on_success_records_written_by_the_commit(
     row = meta_row(d.db, done.id)
     assert row is not None and (row["status"], row["result"]) == (states.SUCCESS, value)
     assert row["token"] == value["token"]
+    # The commit's SUCCESS is visible first; the tracer's write adds the link a
+    # moment later (it is sent after the body): wait for that write.
+    row = wait_for(
+        lambda: (lambda r: r if r and r["children"] else None)(meta_row(d.db, done.id)),
+        30,
+        "the tracer's write of the link into the SUCCESS's children",
+    )
+    assert (row["status"], row["result"], row["token"]) == (
+        states.SUCCESS,
+        value,
+        value["token"],
+    )
     (child,) = row["children"]
     assert d.app.AsyncResult(child[0][0]).get(timeout=60) == 5
 
