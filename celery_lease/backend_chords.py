@@ -39,8 +39,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from celery import states
 from celery.canvas import maybe_signature
-from celery.exceptions import ChordError
+from celery.exceptions import ChordError, TimeoutError
 from celery.result import GroupResult, allow_join_result
 from kombu.utils.json import dumps, loads
 
@@ -183,20 +184,37 @@ def _finish(backend: LeaseBackend, row: Any) -> bool:
         callback.id,
         extra={"action": "chord_callback_recovered", "group_id": row.group_id},
     )
+    # The members' records, not join_native(propagate=True): that raises a member's
+    # error and the database's alike, and only a member's may fail the chord. A
+    # database error passes: the row stays, claimed for the window, and the next
+    # look (this worker's or another's) finishes the chord. So does a failed publish.
     try:
         with allow_join_result():
-            values = deps.join_native(timeout=app.conf.result_chord_join_timeout, propagate=True)
-    except Exception as exc:  # noqa: BLE001 - a member's error: Celery's ChordError, as its own
-        backend.chord_error_from_stack(callback, ChordError(f"Dependency raised {exc!r}"))
+            metas = dict(deps.iter_native(timeout=app.conf.result_chord_join_timeout))
+    except TimeoutError as exc:  # a member's record gone (expired): Celery fails the chord too
+        _fail(backend, callback, f"Cannot join the header: {exc!r}")
     else:
-        # A failed publish raises: the row stays, claimed for the window, and the
-        # next look (this worker's or another's) publishes it.
-        callback.delay(values)
+        ids = [r.id for r in deps.results]
+        failed = [t for t in ids if metas[t]["status"] in states.PROPAGATE_STATES]
+        if failed:
+            culprit = failed[0]
+            _fail(backend, callback, f"Dependency {culprit} raised {metas[culprit]['result']!r}")
+        else:
+            callback.delay([metas[t]["result"] for t in ids])
     deps.delete()
     backend.delete(row.key)
     for dep in deps.results:
         backend.expire(backend.get_key_for_task(dep.id), backend.expires)
     return True
+
+
+def _fail(backend: LeaseBackend, callback: Any, reason: str) -> None:
+    """Fail the chord's callback with a ChordError, as Celery does: from inside an
+    ``except`` (Celery's error path records the exception being handled)."""
+    try:
+        raise ChordError(reason)
+    except ChordError as exc:
+        backend.chord_error_from_stack(callback, exc)
 
 
 class ChordWatch:

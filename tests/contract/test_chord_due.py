@@ -12,6 +12,7 @@ worker there.
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,7 +30,9 @@ from sqlalchemy import text
 import celery_lease
 from celery_lease import backend_chords
 from celery_lease.backend import LeaseBackend
+from celery_lease.exceptions import StoreUnavailable
 from tests.results_helpers import backend_of
+from tests.servers import PostgresServer
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.redis]
 
@@ -88,7 +91,13 @@ def chord(
     else:
         url = request.getfixturevalue("pg_url")
         celery_lease.migrate(url)
-    app = Celery("due", broker=fresh_redis(), backend=f"lease+{url}", set_as_current=False)
+    yield from make_chord(url, fresh_redis())
+
+
+def make_chord(url: str, broker: str, **conf: Any) -> Iterator[Chord]:
+    """A chord of three members over the ``lease+`` backend on ``url``, applied."""
+    app = Celery("due", broker=broker, backend=f"lease+{url}", set_as_current=False)
+    app.conf.update(conf)
 
     @app.task(name="due.collect", shared=False)
     def collect(values: list[Any]) -> list[Any]:
@@ -195,3 +204,45 @@ def test_the_cleanup_sweeps_the_due_rows_of_expired_chords(chord: Chord) -> None
     assert backend_chords.recover(chord.backend, 0.0) == 0, "an expired chord was finished"
     chord.backend.cleanup()
     assert chord.due_rows() == []
+
+
+def test_a_database_outage_during_the_join_leaves_the_chord_due_not_failed(
+    make_pg_server: Callable[..., PostgresServer], fresh_redis: Callable[[], str]
+) -> None:
+    """The recovery cannot read the header because the database is down, not because a
+    member failed: it fails nothing, the chord stays due, and a later look publishes
+    the callback. (Taking the join's error for a member's, the backend's retries,
+    spanning the outage here, wrote the callback's ChordError once it was back.)"""
+    pg = make_pg_server()
+    url = pg.create_database("due")
+    celery_lease.migrate(url)
+    # The backend's retries span the outage; its cache (off by default) keeps the
+    # header's group, so the outage meets the recovery at the join, after the
+    # group's read, as a blip between the two would.
+    made = make_chord(url, fresh_redis(), result_backend_max_retries=100, result_cache_max=100)
+    chord = next(made)
+    try:
+        chord.end(0, "a")
+        chord.end(1, "b")
+        chord.die_after_count(2, "c")  # the header's group is now in the backend's cache
+        db = chord.backend.db
+        with db.transaction() as conn:
+            row = conn.execute(db.sql.chord_due_claim, {"grace": 0.0, "hold": 0.0}).first()
+        assert row is not None
+        pg.stop("immediate")
+        with pytest.raises(StoreUnavailable):  # the fault is real: the database is down
+            chord.backend.get(chord.counter)
+        back = threading.Timer(1.0, pg.start)
+        back.start()
+        try:
+            with pytest.raises(chord.backend.connection_errors):
+                backend_chords._finish(chord.backend, row)
+        finally:
+            back.join()
+        callback = AsyncResult(chord.callback.id, app=chord.app)
+        assert callback.state == states.PENDING, "the chord was failed by an outage"
+        assert backend_chords.recover(chord.backend, 0.0) == 1
+        (message,) = chord.messages()
+        assert message.payload[0] == [["a", "b", "c"]]
+    finally:
+        made.close()
