@@ -126,6 +126,24 @@ def wait_until_expired(
     return record
 
 
+def sweep_past_now(
+    table: ResultTable, result_expires: float | None, lease_grace: float
+) -> dict[str, int]:
+    """``table.sweep(result_expires, lease_grace)`` once the results database's
+    clock has stepped past its reading at this call, so that a cutoff of 0
+    counts every row written before the call.
+
+    The sweep deletes what is strictly older than its cutoff, and SQLite's
+    clock steps by milliseconds: a fast machine writes a row and sweeps within
+    one step, and the row is (rightly) not yet past a zero grace. Every test
+    that sweeps with a zero cutoff and expects rows gone calls this
+    (``tests/unit/test_suite_zero_cutoff_sweeps.py`` holds the suite to it).
+    """
+    read = table.db.now()
+    wait_for(lambda: table.db.now() > read, 10, "the database clock to step past the writes")
+    return table.sweep(result_expires, lease_grace)
+
+
 def result_rows(url: str, key: str) -> list[tuple[int, int, str | None]]:
     """``(id, fencing_token, owner_id)`` of every result row for ``key``, in insert order."""
     db = database(url)

@@ -23,7 +23,13 @@ import celery_lease
 from celery_lease import DuplicateResult, LeaseStore, StaleFencingToken
 from celery_lease.results import ResultTable
 from celery_lease.sql import database
-from tests.results_helpers import new_key, result_rows, wait_for, wait_until_expired
+from tests.results_helpers import (
+    new_key,
+    result_rows,
+    sweep_past_now,
+    wait_for,
+    wait_until_expired,
+)
 
 LONG_TTL = 30.0
 
@@ -91,7 +97,7 @@ def test_sweep_deletes_dead_rows_and_never_lowers_a_fence(sql: SQL) -> None:
     assert holder is not None
     wait_until_expired(store, stalled)
 
-    counts = table.sweep(result_expires=0, lease_grace=0)
+    counts = sweep_past_now(table, 0, 0)
     assert counts == {"results": 3, "leases": 2}, counts
     assert result_rows(sql.url, released) == []
     assert not lease_row_exists(sql.url, released)
@@ -113,7 +119,7 @@ def test_sweep_deletes_dead_rows_and_never_lowers_a_fence(sql: SQL) -> None:
         table.commit(stalled, "late")
     assert store.claim(live, ttl=LONG_TTL, owner_id="intruder") is None
     # Sweeping again finds nothing more, and still lowers nothing.
-    assert table.sweep(result_expires=None, lease_grace=0) == {"results": 0, "leases": 0}
+    assert sweep_past_now(table, None, 0) == {"results": 0, "leases": 0}
     assert store.fence_token(released) == again.token
 
 
@@ -158,11 +164,7 @@ def test_sweep_restores_a_missing_or_lower_fence_from_the_lease_row(sql: SQL) ->
             text("UPDATE celery_lease_fences SET fencing_token = 1 WHERE resource = :k"),
             {"k": lower},
         )
-    # "Expired for over 0 s" needs the store's clock past the last release: on
-    # SQLite (millisecond steps) a fast machine swept within the same one.
-    released_at = max(store.inspect(k).expires_at for k in leases)
-    wait_for(lambda: store.time() > released_at, 10, "the store's clock to pass the releases")
-    assert table.sweep(result_expires=None, lease_grace=0)["leases"] == 2
+    assert sweep_past_now(table, None, 0)["leases"] == 2
     for key, lease in leases.items():
         assert fence_row(sql.url, key) == lease.token
         assert not lease_row_exists(sql.url, key)
@@ -176,19 +178,12 @@ def test_sweeping_results_bounds_the_once_window(sql: SQL) -> None:
     key = new_key("once")
     first = store.claim(key, ttl=LONG_TTL)
     assert first is not None
-    accepted_first = table.commit(first, "first", mode="once")
+    table.commit(first, "first", mode="once")
     dup = store.claim(key, ttl=LONG_TTL)
     assert dup is not None
     with pytest.raises(DuplicateResult):
         table.commit(dup, "dup", mode="once")
-    # "Older than 0 s" needs the store's clock past the acceptance: on SQLite
-    # (millisecond steps) a fast machine swept within the same millisecond.
-    wait_for(
-        lambda: store.time() > accepted_first.accepted_at,
-        10,
-        "the store's clock to pass the acceptance",
-    )
-    assert table.sweep(result_expires=0, lease_grace=3600)["results"] == 1
+    assert sweep_past_now(table, 0, 3600)["results"] == 1
     later = store.claim(key, ttl=LONG_TTL)
     assert later is not None and later.token > dup.token
     accepted = table.commit(later, "after retention", mode="once")
@@ -213,7 +208,7 @@ def test_sweep_keeps_registered_fences_for_leases_elsewhere(
     b = store.claim(key, ttl=LONG_TTL, owner_id="B")
     assert b is not None
     table.register(b)
-    table.sweep(result_expires=0, lease_grace=0)
+    sweep_past_now(table, 0, 0)
     assert table.fence(key) == b.token
     with pytest.raises(StaleFencingToken):
         table.commit(a, "late")
@@ -262,7 +257,7 @@ def test_sweep_deletes_registrations_past_the_grace_and_no_token_falls(
     assert registrations(url, key) == {"T": a.token, "U": b.token}
     table.sweep(result_expires=None, lease_grace=3600)
     assert registrations(url, key) == {"T": a.token, "U": b.token}
-    table.sweep(result_expires=None, lease_grace=0)
+    sweep_past_now(table, None, 0)
     assert registrations(url, key) == {}
     assert table.fence(key) == b.token
     with pytest.raises(StaleFencingToken):
@@ -293,7 +288,7 @@ def test_sweep_deletes_a_deferral_markers_fence_and_keeps_a_real_keys(sql: SQL) 
     wait_for(lambda: store.marker(marker) is None, 20, "the marker to expire")
     wait_until_expired(store, lease)
 
-    counts = table.sweep(result_expires=None, lease_grace=0)
+    counts = sweep_past_now(table, None, 0)
     assert counts["leases"] == 2, counts
     assert not lease_row_exists(sql.url, marker)
     assert fence_row(sql.url, marker) is None, "the marker's fence row outlived it"
