@@ -135,8 +135,9 @@ def sweep_past_now(
 
     The sweep deletes what is strictly older than its cutoff, and SQLite's
     clock steps by milliseconds: a fast machine writes a row and sweeps within
-    one step, and the row is (rightly) not yet past a zero grace. Every test
-    that sweeps with a zero cutoff and expects rows gone calls this
+    one step, and the row is (rightly) not yet past a zero grace. Every
+    zero-cutoff sweep in the tests calls this, also one that expects nothing
+    gone: that proves more once the clock has moved
     (``tests/unit/test_suite_zero_cutoff_sweeps.py`` holds the suite to it).
     """
     read = table.db.now()
