@@ -121,10 +121,11 @@ def published_copies(broker: RedisServer, queue: str, task_id: str) -> list[dict
     """The messages of ``task_id`` a deferral pushed on ``queue``, from the AOF."""
     files, _ = aof.aof_files(broker.data_dir)
     pushed = [
-        message_of(cmd[2])
+        message_of(payload)
         for f in files
         for cmd in aof.read_commands(f)
         if cmd[0].upper() in (b"LPUSH", b"RPUSH") and cmd[1] == queue.encode()
+        for payload in cmd[2:]  # a push may carry several
     ]
     return [
         m
