@@ -11,9 +11,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from celery_lease.exceptions import LeaseConfigError
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import URL
 
 __all__ = [
     "RedisNodes",
@@ -21,6 +25,7 @@ __all__ = [
     "check_sql_url",
     "parse_cluster_url",
     "parse_sentinel_url",
+    "parse_sql_url",
     "redact_url",
     "scheme_of",
 ]
@@ -103,19 +108,41 @@ def check_redis_url(name: str, url: str) -> None:
     _db_path(name, url, shown)
 
 
-def check_sql_url(name: str, url: str) -> None:
-    """Refuse a PostgreSQL or SQLite URL SQLAlchemy cannot parse, or one naming no database."""
+def parse_sql_url(name: str, url: str) -> URL:
+    """SQLAlchemy's parse of ``url``; a URL it refuses is a LeaseConfigError naming
+    ``name`` that quotes no part of the password.
+
+    SQLAlchemy reads a password only up to its first ``@`` (in the query too):
+    with an unencoded ``@`` in it, the rest is read as the host and port. A
+    port that is not a number is refused with a ValueError quoting it
+    (``user:pw@rt:tail@host`` quotes ``'tail@host'``); a host that is a piece
+    of the password would be quoted by the driver, failing to resolve it. So
+    the host must be the one the URL standard reads (the text after the last
+    ``@`` of the authority), or the URL is refused.
+    """
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError
 
-    shown = redact_url(url)
-    scheme = scheme_of(url)
     try:
         parsed = make_url(url)
-        port = parsed.port
     except (ArgumentError, ValueError):
-        reason = _reason(lambda u: make_url(u).port, url, (ArgumentError, ValueError))
-        raise LeaseConfigError(f"{name}: cannot parse {shown}: {reason}") from None
+        reason = _reason(make_url, url, (ArgumentError, ValueError))
+        raise LeaseConfigError(f"{name}: cannot parse {redact_url(url)}: {reason}") from None
+    try:
+        standard = urlsplit(url).hostname or ""
+    except ValueError:  # a "[" or "]" outside an IPv6 host: a password's
+        standard = None
+    if (parsed.host or "").lower() != standard:
+        raise LeaseConfigError(f"{name}: cannot parse {redact_url(url)}: {_USERINFO_FAULT}")
+    return parsed
+
+
+def check_sql_url(name: str, url: str) -> None:
+    """Refuse a PostgreSQL or SQLite URL SQLAlchemy cannot parse, or one naming no database."""
+    shown = redact_url(url)
+    scheme = scheme_of(url)
+    parsed = parse_sql_url(name, url)
+    port = parsed.port
     if port is not None and not 0 < port < 65536:
         raise LeaseConfigError(f"{name}: port {port} of {shown} is not a TCP port (1-65535)")
     if scheme.startswith("sqlite") and (parsed.database or "") in ("", ":memory:"):

@@ -29,7 +29,7 @@ from celery_lease.exceptions import LeaseConfigError, LeaseError
 from celery_lease.sql.dialects import DIALECTS
 from celery_lease.sql.errors import translate_error
 from celery_lease.sql.pool import Conn, _Pool
-from celery_lease.urls import redact_url
+from celery_lease.urls import parse_sql_url, redact_url
 
 __all__ = ["Database", "database", "normalize_sql_url"]
 
@@ -52,7 +52,7 @@ def normalize_sql_url(url: str) -> str:
     if url.startswith("sqlite"):
         try:
             parsed = make_url(url)
-        except exc.ArgumentError:
+        except (exc.ArgumentError, ValueError):
             return url  # Database() says what is wrong with it
         if parsed.drivername == "sqlite+pysqlite":  # SQLAlchemy's default SQLite driver
             parsed = parsed.set(drivername="sqlite")
@@ -100,11 +100,7 @@ class Database:
 
     def __init__(self, url: str, **engine_options: Any) -> None:
         self.url = normalize_sql_url(url)
-        try:
-            parsed = make_url(self.url)
-        except exc.ArgumentError as e:
-            # SQLAlchemy's reason quotes no part of the URL; the URL is shown redacted.
-            raise LeaseConfigError(f"not a database URL: {redact_url(url)!r} ({e})") from e
+        parsed = parse_sql_url("database URL", self.url)
         self.dialect = parsed.get_backend_name()
         if self.dialect not in DIALECTS:
             raise LeaseConfigError(
