@@ -40,7 +40,7 @@ PASSWORDS = [
 ]
 
 _SQL_FORMS = sorted(f for f in URL_FORMS if f.startswith("postgres"))
-_STORE_FORMS = sorted(set(URL_FORMS) - {"etcd", "etcds"})  # etcd refuses a password
+_STORE_FORMS = sorted(URL_FORMS)  # etcd refuses a password: that error is searched too
 
 
 def pieces(pw: str) -> list[str]:
