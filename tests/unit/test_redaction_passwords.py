@@ -117,9 +117,9 @@ def _fails(op: Callable[[], object]) -> BaseException | None:
 @example(form="redis-no-user", pw="pa'S3cr3tPW")
 @example(form="redis", pw='x"S3cr3tPW')
 @example(form="postgresql+psycopg", pw="pa'S3cr3tPW")
-# Found by this test in CI: SQLAlchemy read the text after the password's "@" as
-# the port, and its ValueError escaped LeaseStore.from_url (see
-# test_redaction_url_parsers.py, which tries such passwords in every form).
+# SQLAlchemy reads the text after a password's "@" as the port: its ValueError
+# must not escape LeaseStore.from_url (test_redaction_url_parsers.py tries such
+# passwords in every form, deterministically).
 @example(form="postgres", pw="Zqaa@:")
 @example(form="postgresql-query", pw="Zqaa@:")
 def test_a_store_that_is_down_hides_any_password(form: str, pw: str) -> None:

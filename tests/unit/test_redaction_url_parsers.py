@@ -2,10 +2,10 @@
 
 A password with an unencoded ``@``, ``:``, ``/``, ``?``, ``#``, ``[`` or ``]`` is
 split by the URL parsers: ``user:Zq@Kx7w:Tr9v@host:5432`` reads to SQLAlchemy as the host
-``Kx7w`` and the port ``Tr9v@host:5432``, and its ValueError quoted that
-"port", a piece of the password, out of ``LeaseStore.from_url`` (found in CI
-by the property test of ``test_redaction_passwords.py``, which draws such
-passwords only now and then, and looks for the whole password only). Here
+``Kx7w`` and the port ``Tr9v@host:5432``; its ValueError quotes that "port",
+and a driver that cannot resolve a misread host quotes the host: pieces of
+the password. The property test of ``test_redaction_passwords.py`` draws such
+passwords only now and then, and looks for the whole password only. Here
 every URL form gets, deterministically, passwords that split at each of those
 characters, through every entry point that takes a URL, and the outputs are
 searched for each piece of four characters or more.
