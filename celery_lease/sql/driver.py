@@ -16,7 +16,9 @@ its operations serialize without row locks.
 from __future__ import annotations
 
 import os
+import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -62,9 +64,15 @@ def normalize_sql_url(url: str) -> str:
     return url
 
 
+#: How long an SQLite statement waits for another connection's lock (ms).
+SQLITE_BUSY_TIMEOUT_MS = 30000
+
 # create_engine's options by dialect (is_sqlite); the caller's engine_options win.
 _ENGINE_OPTIONS: dict[bool, dict[str, Any]] = {
-    True: {"future": True, "connect_args": {"timeout": 30.0, "check_same_thread": False}},
+    True: {
+        "future": True,
+        "connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False},
+    },
     False: {
         "future": True,
         "connect_args": {
@@ -220,13 +228,38 @@ def _sqlite_listeners(engine: Engine) -> None:
     def _connect(dbapi_connection: Any, connection_record: Any) -> None:
         dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA busy_timeout=30000")
-        cursor.close()
+        try:
+            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            _journal_mode_wal(cursor)
+        finally:
+            cursor.close()
 
     @event.listens_for(engine, "begin")
     def _begin(conn: Connection) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _journal_mode_wal(cursor: Any) -> None:
+    """Switch the file to the WAL journal (it stays so: a no-op once done).
+
+    Processes that open a new file at the same moment (a worker's pool
+    children on their first task) all switch it, and SQLite answers all but
+    one "database is locked" at once, without waiting out the busy timeout:
+    the switch takes the file's exclusive lock while the statement holds a
+    shared one, and SQLite does not wait where waiting could deadlock. The
+    switch is over in milliseconds, so try again, within the busy timeout.
+    """
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    delay = 0.005
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
 
 
 _databases: dict[str, Database] = {}
