@@ -110,7 +110,7 @@ from celery_lease.exceptions import StoreUnavailable
 from celery_lease.result_commit import MetaRecord
 from celery_lease.sql import Database, database
 from celery_lease.sql.dialects import key_params
-from celery_lease.sql.migrate import ensure_schema
+from celery_lease.sql.migrate import on_first_use
 from celery_lease.urls import redact_url
 
 __all__ = [
@@ -280,7 +280,7 @@ class LeaseBackend(KeyValueStoreBackend):  # type: ignore[misc]
             self.expires if failure_expires is None else self.prepare_expires(failure_expires)
         )
         self.db: Database = database(database_url)
-        ensure_schema(self.db)
+        on_first_use(self.db)
 
     def __reduce__(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         return super().__reduce__(args, {**(kwargs or {}), "url": self.url})

@@ -74,7 +74,7 @@ from celery_lease.result_end import EndMark, end_task
 from celery_lease.result_sweep import sweep as sweep_table
 from celery_lease.sql import database
 from celery_lease.sql import queries as q
-from celery_lease.sql.migrate import ensure_schema
+from celery_lease.sql.migrate import on_first_use
 from celery_lease.stores.base import (
     Lease,
     LeaseStore,
@@ -186,7 +186,7 @@ class ResultTable:
         max_bytes: int | None = None,
     ) -> None:
         self.db = database(url)
-        ensure_schema(self.db)
+        on_first_use(self.db)
         self.url = self.db.url
         self.store = store
         self.max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes

@@ -20,7 +20,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -145,6 +145,9 @@ class Database:
             self.pg_tuple_row = tuple_row  # the free list's cursors: plain tuples
         self._pool = _Pool(self)
         self._migrated = False  # set by celery_lease.sql.migrate.ensure_schema
+        #: Run before each new connection of celery-lease's own while set: an
+        #: SQLite file's migration on first use (celery_lease.sql.migrate.on_first_use).
+        self.set_up: Callable[[Database], None] | None = None
         _after_fork_dispose(self)
 
     def in_transaction(self, raw: Any) -> bool:

@@ -21,7 +21,7 @@ from celery_lease.sql.driver import Database, database
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
 
-__all__ = ["HEAD", "check", "current", "downgrade", "ensure_schema", "migrate"]
+__all__ = ["HEAD", "check", "current", "downgrade", "ensure_schema", "migrate", "on_first_use"]
 
 #: The newest revision in ``migrations/versions`` (tests/unit/test_schema_head.py
 #: holds the two equal).
@@ -97,8 +97,21 @@ def current(db: Database) -> str | None:
         return None if row is None else str(row[0])
 
 
+def on_first_use(db: Database) -> None:
+    """SQLite: have the first statement this process sends to ``db`` migrate it
+    first (:func:`ensure_schema`); nothing is sent now.
+
+    Called where a store, result table or ``lease+`` backend is made: set up
+    there, a file that cannot be opened would fail the making (a worker's
+    start, a pool child's first task) instead of the first statement, where
+    an outage is retried and deferred."""
+    if db.is_sqlite and not db._migrated:
+        db.set_up = ensure_schema
+
+
 def ensure_schema(db: Database) -> None:
-    """SQLite only: apply the migrations on first use (the embedded default).
+    """SQLite only: apply the migrations on first use (the embedded default):
+    called before the first connection of celery-lease's own is made.
 
     A database already at :data:`HEAD` is read, not migrated: Alembic stays
     unloaded in the worker's processes (another process migrating at the same
@@ -109,6 +122,7 @@ def ensure_schema(db: Database) -> None:
     if current(db) != HEAD:
         migrate(db.url, _database=db)
     db._migrated = True
+    db.set_up = None
 
 
 def downgrade(url: str, revision: str = "base") -> None:
@@ -123,7 +137,10 @@ def downgrade(url: str, revision: str = "base") -> None:
         if revision == "base":  # leave nothing behind, Alembic's version table included
             conn.exec_driver_sql(f"DROP TABLE IF EXISTS {VERSION_TABLE}")
         conn.commit()
-    db._migrated = False  # the embedded SQLite default migrates again on next use
+    # The embedded SQLite default migrates again on its next new connection.
+    db._migrated = False
+    db._pool.close()
+    on_first_use(db)
 
 
 def check(url: str) -> None:

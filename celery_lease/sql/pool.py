@@ -303,6 +303,9 @@ class _Pool:
 
     def connect(self) -> tuple[Any, Any]:
         """A new connection, made by SQLAlchemy (URL, TLS, connect events), then detached."""
+        set_up = self.db.set_up
+        if set_up is not None:
+            set_up(self.db)
         with self.db.errors():
             fairy = self.db.engine.raw_connection()
         fairy.detach()  # ours from now on: SQLAlchemy neither pools nor finalizes it

@@ -26,7 +26,7 @@ from celery_lease.exceptions import LeaseConfigError, StoreUnavailable
 from celery_lease.sql import Conn, Rows, database
 from celery_lease.sql import queries as q
 from celery_lease.sql.dialects import PG_RELEASE_ONE_PY, key_params
-from celery_lease.sql.migrate import ensure_schema
+from celery_lease.sql.migrate import on_first_use
 from celery_lease.stores.base import (
     META_FIELDS,
     Lease,
@@ -82,7 +82,7 @@ class SQLLeaseStore(LeaseStore):
         self.db = database(url)
         self.url = self.db.url
         self.server_clock = not self.db.is_sqlite
-        ensure_schema(self.db)
+        on_first_use(self.db)
 
     # -- claim -----------------------------------------------------------
 

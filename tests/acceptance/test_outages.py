@@ -20,7 +20,11 @@ chosen moment:
     the commit meets it: the commit is retried within the lease's validity and
     accepted once the database is back; with an outage longer than the
     validity, the task is ``FENCED`` and re-queued, then redone and accepted
-    under a newer token, never under the old one.
+    under a newer token, never under the old one;
+(d) **at a process's first use** -- the embedded default's SQLite file (as the
+    result table, or as the lease store too) cannot be opened when a pool
+    child runs its first task: the task is deferred, not failed, and the
+    worker starts; once the file can be opened the task runs once.
 
 Every outage is proved from the test process first (a TCP connection to the
 server's port is refused) before anything is asserted, and after each one the
@@ -30,6 +34,7 @@ against deadlines.
 
 from __future__ import annotations
 
+import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -250,3 +255,57 @@ def test_results_db_down_at_commit_is_retried_or_requeued_never_stale(
     assert c.table.get(key, old) is None, "the first run's result was accepted with its old token"
     assert [r.token for r in c.table.history(key)] == [new]
     _later_task_runs_normally(c)
+
+
+# --------------------------------------------------------------------------
+# (d) at a process's first use
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("unusable", ["results", "store and results"])
+def test_an_sqlite_file_unusable_at_a_childs_first_task_defers_it(
+    unusable: str, tmp_path: Path, make_redis_server: Callable[..., RedisServer]
+) -> None:
+    """The embedded default sets its SQLite file up on first use, in the pool
+    child that runs a task first. A file that cannot be opened then (a volume
+    not mounted yet; here a directory in its place) is an outage like any
+    other: the task is deferred, not failed, and runs once the file can be
+    opened."""
+    broker = make_redis_server(appendonly=False)
+    path = tmp_path / "lease.sqlite3"
+    url = f"sqlite:///{path}"
+    c = Cluster(
+        tmp_path,
+        broker=broker.url(0),
+        backend=broker.url(1),
+        store_url=url if unusable == "store and results" else make_redis_server().url(0),
+        results_url=url,
+        ttl=2.0,
+        settings={"lease_store_retry": 1.0},
+    )
+    try:
+        path.mkdir()
+        with pytest.raises(sqlite3.OperationalError, match="unable to open"):
+            sqlite3.connect(path).execute("SELECT 1")  # the fault is in place
+        c.worker("first-use").start()
+
+        key = _key("first-use")
+        res = c.tasks.work.delay(key, sleep=0.2, tag="first-use")
+        wait_for(_log_has(c, f"LEASE_DEFERRED {res.id}"), 30, "LEASE_DEFERRED in the worker log")
+        assert path.is_dir(), "the fault must still be on when the deferral is seen"
+        assert c.rows("start", res.id) == [], "the body ran without its database"
+        assert c.backend_state(res.id)[0] in ("PENDING", "RECEIVED"), (
+            "no final state while deferred"
+        )
+
+        usable_at = time.time()
+        path.rmdir()
+        value = res.get(timeout=40)
+        starts = c.rows("start", res.id)
+        assert len(starts) == 1 and starts[0]["t"] > usable_at
+        accepted = c.table.accepted(key)
+        assert accepted is not None and accepted.task_id == res.id
+        assert accepted.token == value["token"] == starts[0]["token"]
+        _later_task_runs_normally(c)
+    finally:
+        c.close()
