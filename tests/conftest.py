@@ -49,6 +49,7 @@ from tests.servers import (
     RedisServer,
     iter_live_servers,
 )
+from tests.workers import STARTED, error_lines
 
 # pytester: tests/contract/test_servers.py checks the --slow switch. The celery-lease
 # plugin is a pytest11 entry point once installed; named here too for a
@@ -181,16 +182,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_ci if item.get_closest_marker("ci") is not None else skip_slow)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    STARTED.clear()  # before the fixtures, which may start workers
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """On a failed test, list the running test servers and their logs."""
+    """On a failed test, list the running test servers and their logs, and the
+    errors the test's workers logged (CI's output is often all there is)."""
     report = yield
     if report.failed:
         live = [f"{server!r}\n    log: {server.log_path}" for server in iter_live_servers()]
         if live:
             report.sections.append(("test servers", "\n".join(live)))
+        logged = []
+        for worker in dict.fromkeys(STARTED):
+            errors = error_lines(worker.log_path)
+            logged.append(f"{worker.name}: {worker.log_path}")
+            logged += [f"    {line}" for line in errors or ["(no ERROR or CRITICAL line)"]]
+        if logged:
+            report.sections.append(("test workers", "\n".join(logged)))
     return report
 
 

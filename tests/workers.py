@@ -22,6 +22,10 @@ from tests.servers import signal_group, spawn, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: The workers started since the current test began (tests/conftest.py shows
+#: their logs' errors when the test fails: a worker is often killed by then).
+STARTED: list[Worker] = []
+
 
 class Worker:
     def __init__(
@@ -63,6 +67,7 @@ class Worker:
 
     def start(self, timeout: float = 60.0) -> Worker:
         offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        STARTED.append(self)
         self._log = open(self.log_path, "ab")
         self.proc = spawn(self.argv, log=self._log, env=self.env, cwd=str(ROOT))
 
@@ -141,6 +146,16 @@ class Worker:
         signal_group(self.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(10)
+
+
+def error_lines(path: Path, limit: int = 20, width: int = 300) -> list[str]:
+    """The ERROR and CRITICAL lines of a worker's log (the first ``limit``)."""
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    found = [ln for ln in text.splitlines() if "ERROR/" in ln or "CRITICAL/" in ln]
+    return [ln[:width] for ln in found[:limit]]
 
 
 def _state(pid: int) -> str:
