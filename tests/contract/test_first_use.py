@@ -1,4 +1,10 @@
-"""A new SQLite database opened by several processes at the same moment.
+"""A process's first use of its stores: nothing sent when they are made; a
+new SQLite database opened by several processes at the same moment.
+
+A worker's pool child makes its stores on its first task, before the claim,
+where an error fails the task instead of deferring it: making the lease
+store, the result table and the ``lease+`` backend must send nothing, for
+every kind of store (the last test, against stores that do not answer).
 
 The embedded default creates and migrates its SQLite file on first use, in
 whichever process gets there first: a worker's pool children all reach it on
@@ -30,10 +36,14 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.exceptions import BackendGetMetaError
 
 import celery_lease
-from celery_lease import LeaseStore
+from celery_lease import LeaseStore, StoreUnavailable
+from celery_lease.config import config
 from celery_lease.results import ResultTable
+from celery_lease.runtime import Runtime
+from tests.servers import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -147,3 +157,50 @@ def test_processes_opening_a_new_sqlite_database_together_all_get_in(
     assert not failures, f"{len(failures)} of {PROCESSES * ROUNDS} first uses failed:\n" + (
         "\n".join(failures[:3])
     )
+
+
+# Every kind of store and result database, none of them answering: a port
+# nothing listens on, or (SQLite) a directory where the file should be.
+def _unreachable(kind: str, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    port = free_port()
+    urls: dict[str, tuple[str, dict[str, Any]]] = {
+        "redis": (f"redis://127.0.0.1:{port}/0", {}),
+        "sentinel": (f"sentinel://127.0.0.1:{port}/0", {"master_name": "mymaster"}),
+        "redis+cluster": (f"redis+cluster://127.0.0.1:{port}/0", {}),
+        "etcd": (f"etcd://127.0.0.1:{port}", {}),
+        "postgresql": (f"postgresql+psycopg://nobody@127.0.0.1:{port}/none", {}),
+        "sqlite": (f"sqlite:///{tmp_path / 'a-directory.sqlite3'}", {}),
+    }
+    (tmp_path / "a-directory.sqlite3").mkdir(exist_ok=True)
+    return urls[kind]
+
+
+@pytest.mark.parametrize("results", ["postgresql", "sqlite"])
+@pytest.mark.parametrize(
+    "store", ["redis", "sentinel", "redis+cluster", "etcd", "postgresql", "sqlite"]
+)
+def test_making_a_processs_stores_sends_nothing(store: str, results: str, tmp_path: Path) -> None:
+    """A pool child makes its stores on its first task, before the claim: what
+    fails there fails the task instead of deferring it, so making them (the
+    lease store, the result table, the ``lease+`` backend) must not send
+    anything. Their first statements then meet the outage, and raise the
+    error the claim and the look-up retry and defer on."""
+    store_url, options = _unreachable(store, tmp_path)
+    results_url, _ = _unreachable(results, tmp_path)
+    app = Celery(
+        "first-use", broker="memory://", backend=f"lease+{results_url}", set_as_current=False
+    )
+    app.conf.update(
+        lease_store_url=store_url, lease_result_url=results_url, lease_store_options=options
+    )
+    rt = Runtime(config(app))  # what runtime() makes in each process
+    backend = app.backend
+    # The outage is real: each one's first statement meets it.
+    with pytest.raises(StoreUnavailable):
+        rt.store.claim(f"first-use-{uuid.uuid4().hex}", ttl=5)
+    with pytest.raises(StoreUnavailable):
+        rt.results.accepted(f"first-use-{uuid.uuid4().hex}")
+    # (Celery retries a backend's read, then raises its own error from ours.)
+    with pytest.raises(BackendGetMetaError) as raised:
+        backend.get_task_meta(uuid.uuid4().hex)
+    assert isinstance(raised.value.__cause__, StoreUnavailable)
