@@ -39,6 +39,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -101,6 +102,17 @@ def _later_task_runs_normally(c: Cluster) -> None:
     assert c.workers[0].alive()
 
 
+def _ran_once_and_accepted(
+    c: Cluster, task_id: str, key: str, value: dict[str, Any], *, after: float
+) -> None:
+    """The task's body ran once, after ``after``, and its result is the one accepted."""
+    starts = c.rows("start", task_id)
+    assert len(starts) == 1 and starts[0]["t"] > after, starts
+    accepted = c.table.accepted(key)
+    assert accepted is not None and accepted.task_id == task_id
+    assert accepted.token == value["token"] == starts[0]["token"]
+
+
 def _no_start_between(c: Cluster, since: float, until: float) -> None:
     during = [r for r in c.rows("start") if since <= r["t"] <= until]
     assert during == [], f"a body started while the store was down: {during}"
@@ -134,11 +146,7 @@ def test_store_down_at_claim_defers_and_completes_after_restart(
     store.start()
     value = res.get(timeout=40)
     _no_start_between(c, down_at, restarting_at)
-    starts = c.rows("start", res.id)
-    assert len(starts) == 1 and starts[0]["t"] > restarting_at
-    accepted = c.table.accepted(key)
-    assert accepted is not None and accepted.task_id == res.id
-    assert accepted.token == value["token"] == starts[0]["token"]
+    _ran_once_and_accepted(c, res.id, key, value, after=restarting_at)
     _later_task_runs_normally(c)
 
 
@@ -301,11 +309,7 @@ def test_an_sqlite_file_unusable_at_a_childs_first_task_defers_it(
         usable_at = time.time()
         path.rmdir()
         value = res.get(timeout=40)
-        starts = c.rows("start", res.id)
-        assert len(starts) == 1 and starts[0]["t"] > usable_at
-        accepted = c.table.accepted(key)
-        assert accepted is not None and accepted.task_id == res.id
-        assert accepted.token == value["token"] == starts[0]["token"]
+        _ran_once_and_accepted(c, res.id, key, value, after=usable_at)
         _later_task_runs_normally(c)
     finally:
         c.close()
