@@ -9,13 +9,16 @@ first drops the live-gauge files of processes that no longer exist
 (``mark_process_dead``), and a worker starting drops every file a dead
 process left (a directory reused from an earlier run would count it twice).
 Only dead pids are touched: a directory given by the user may be shared with
-other live workers.
+other live workers. A directory the worker made itself is its alone, and is
+removed when the worker's main process exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,12 +34,22 @@ def prepare(port: int) -> None:
     """Before children fork: a multiprocess directory for their samples."""
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if not path:
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix=f"celery-lease-{port}-")
+        path = tempfile.mkdtemp(prefix=f"celery-lease-{port}-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+        # At interpreter exit, after the pool's children wrote their last samples
+        # (a warm or a cold shutdown). A restart makes a fresh one, so a kept
+        # directory would only fill the temporary directory, which is often RAM.
+        atexit.register(_remove, os.getpid(), path)
         return
     Path(path).mkdir(parents=True, exist_ok=True)
     for pid in dead_pids(path):
         for file in Path(path).glob(f"*_{pid}.db"):
             file.unlink(missing_ok=True)
+
+
+def _remove(owner: int, path: str) -> None:
+    if os.getpid() == owner:  # a forked child inherits the hook, not the directory
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def process_init() -> None:

@@ -229,6 +229,54 @@ def test_a_worker_start_drops_the_files_dead_processes_left(
         worker.kill()
 
 
+@pytest.mark.parametrize(
+    ("made", "stop"),
+    [(True, signal.SIGTERM), (True, signal.SIGQUIT), (False, signal.SIGTERM)],
+    ids=["made-warm", "made-cold", "given-warm"],
+)
+def test_a_worker_leaves_nothing_in_its_temporary_directory_when_it_stops(
+    fresh_redis: Callable[[], str], tmp_path: Path, made: bool, stop: signal.Signals
+) -> None:
+    """A stopped worker (warm: SIGTERM, cold: SIGQUIT) leaves its ``TMPDIR`` as
+    it found it: the multiprocess directory it made for its samples is gone
+    with it (a restart makes a fresh one); one the user gave it is kept, with
+    the samples, as a directory other workers may share."""
+    port = free_port()
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    given = tmp_path / "mp"
+    env = {
+        "CL_BROKER": fresh_redis(),
+        "CL_BACKEND": fresh_redis(),
+        "CL_STORE": fresh_redis(),
+        "CL_RESULTS": f"sqlite:///{tmp_path}/results.sqlite3",
+        "CL_SETTINGS": json.dumps({"lease_metrics_port": port}),
+        "TMPDIR": str(tmpdir),
+        **({} if made else {"PROMETHEUS_MULTIPROC_DIR": str(given)}),
+    }
+    worker = Worker("metrics-tmp", env, tmp_path, concurrency=2).start()
+    try:
+        _, tasks = build(env)
+        wait_for(lambda: _up(port), 20, "the metrics endpoint")
+        tasks.work.delay(f"m-{uuid.uuid4().hex}", 0.0).get(timeout=30)
+        samples_dir = next(tmpdir.glob("celery-lease-*"), None) if made else given
+        assert samples_dir is not None and samples_dir.parent == (tmpdir if made else tmp_path)
+        assert any(samples_dir.glob("counter_*.db")), "the samples are written there"
+        # Idle first: Celery 5.7's cold shutdown can hang for good when SIGQUIT
+        # lands while the main process handles a pool result (its handler joins
+        # the pool from inside the result handler). A control reply comes from
+        # that same loop once the task is off its books.
+        inspect = tasks.work.app.control.inspect(destination=[worker.hostname], timeout=2)
+        wait_for(lambda: inspect.active() == {worker.hostname: []}, 30, "the worker idle")
+        worker.proc.send_signal(stop)
+        assert worker.proc.wait(30) == 0, "the worker stopped by itself"
+    finally:
+        worker.kill()
+    assert sorted(p.name for p in tmpdir.iterdir()) == []
+    if not made:
+        assert any(given.glob("counter_*.db")), "the user's directory is theirs"
+
+
 def own_address() -> str:
     """A non-loopback IPv4 address of this machine (``ip -4 addr``), else 127.0.0.2.
 
