@@ -41,7 +41,12 @@ class Worker:
     ) -> None:
         self.name = name
         self.hostname = f"{name}@localhost"
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+        # Its own TMPDIR, among the test's files: a killed worker leaves its
+        # temporary files behind (billiard's, the metrics samples'), and a
+        # suite that kills hundreds would otherwise fill the machine's /tmp.
+        tmp = logdir / f"tmp-{name}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp), **env}
         self.log_path = logdir / f"worker-{name}.log"
         self.argv = [
             sys.executable,
