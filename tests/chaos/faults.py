@@ -34,6 +34,7 @@ import random
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,8 @@ class Injector(ServerFaults, ExpiryFaults):
         self.running: dict[int, str] = {}  # pid -> task id, from the history's tail
         self._history_pos = 0
         self.publish_probe = None
+        #: publishes a batch of work for the cover phase; set by the runner
+        self.publish_work: Callable[[], None] | None = None
         self._probes: list[str] = []
 
     # -- the loop ----------------------------------------------------------
@@ -125,6 +128,8 @@ class Injector(ServerFaults, ExpiryFaults):
                 break
             if kinds is not self.kinds and all(self.counts[k] for k in kinds):
                 break  # every kind applied
+            if kinds is not self.kinds and self.publish_work is not None:
+                self.publish_work()  # the plan is all published: give the fault work
             self._inject_one(kinds)
 
     def _inject_one(self, kinds: tuple[str, ...]) -> None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tests.chaos.runner import Options
 
-__all__ = ["CHORD_SIZE", "plan", "plan_chords"]
+__all__ = ["CHORD_SIZE", "COVER_BATCH", "cover_items", "plan", "plan_chords"]
 
 
 def _keys(opts: Options) -> tuple[list[str], list[str]]:
@@ -59,6 +59,29 @@ def plan(opts: Options) -> list[dict[str, Any]]:
             out[i]["key"] = key
             out[i]["policy"] = "exclusive" if key.startswith("x") else "once"
     return out
+
+
+#: tasks published with each fault of the cover phase
+COVER_BATCH = 4
+
+
+def cover_items(opts: Options, rng: random.Random, first_n: int) -> list[dict[str, Any]]:
+    """Work for the cover phase: it injects the kinds a short run never applied,
+    after the plan's last submission, and a fault that meets an idle cluster
+    proves nothing. Exclusive tasks on the run's own keys (contended with what
+    is still in flight), bodies of up to the TTL; numbered from ``first_n``."""
+    excl, _ = _keys(opts)
+    return [
+        {
+            "n": first_n + i,
+            "task_id": str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+            "key": rng.choice(excl),
+            "policy": "exclusive",
+            "duration": round(rng.uniform(0.05, opts.ttl), 3),
+            "cover": True,
+        }
+        for i in range(COVER_BATCH)
+    ]
 
 
 #: header members per chord

@@ -46,7 +46,7 @@ from tests.chaos.chord_checks import count_recovered, read_collected
 from tests.chaos.cluster import Cluster
 from tests.chaos.faults import KINDS, Injector
 from tests.chaos.history import Chord
-from tests.chaos.plan import plan, plan_chords
+from tests.chaos.plan import cover_items, plan, plan_chords
 from tests.chaos.records import ClockMap, count_log_states, read_history
 from tests.chaos.table import format_table
 
@@ -117,6 +117,7 @@ class Run:
             log=self.log,
         )
         self.rng = random.Random(opts.seed * 7919 + 1)
+        self.cover_rng = random.Random(opts.seed * 7919 + 2)
         self.submitted: list[dict[str, Any]] = []
         #: every write the result backend made, per task id (read after the run)
         self.backend_history: dict[str, list[Backend]] | None = None
@@ -173,6 +174,7 @@ class Run:
                 self.cluster, self.rng, rate=opts.fault_rate, kinds=opts.kinds, log=self.log
             )
             injector.publish_probe = self.submit_probe
+            injector.publish_work = self.submit_cover
             self.log(f"injecting faults for {opts.duration:.0f}s at {opts.fault_rate}/s")
             # A short run must apply every kind: the ones a loaded machine kept
             # from applying get half the duration again, alone.
@@ -217,23 +219,33 @@ class Run:
             delay = t0 + item["at"] - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-            task = getattr(self.tasks, item["policy"])
-            while True:
-                try:
-                    task.apply_async(
-                        args=(item["key"], item["duration"], item["n"]),
-                        task_id=item["task_id"],
-                        retry=True,
-                        retry_policy={"max_retries": 3, "interval_start": 0.2,
-                                      "interval_step": 0.5, "interval_max": 1.0},
-                    )  # fmt: skip
-                    break
-                except Exception as e:  # noqa: BLE001 - the broker is being faulted
-                    self.publish_errors += 1
-                    self.log(f"publish of {item['task_id']} failed ({e!r}); retrying")
-                    time.sleep(0.5)
-            self._submitted(item)
+            self._publish(item)
         self.log(f"submitted {len(self.submitted)} tasks")
+
+    def _publish(self, item: dict[str, Any]) -> None:
+        task = getattr(self.tasks, item["policy"])
+        while True:
+            try:
+                task.apply_async(
+                    args=(item["key"], item["duration"], item["n"]),
+                    task_id=item["task_id"],
+                    retry=True,
+                    retry_policy={"max_retries": 3, "interval_start": 0.2,
+                                  "interval_step": 0.5, "interval_max": 1.0},
+                )  # fmt: skip
+                break
+            except Exception as e:  # noqa: BLE001 - the broker is being faulted
+                self.publish_errors += 1
+                self.log(f"publish of {item['task_id']} failed ({e!r}); retrying")
+                time.sleep(0.5)
+        self._submitted(item)
+
+    def submit_cover(self) -> None:
+        """A batch of the cover phase's work (:func:`cover_items`), published now."""
+        with self._submit_lock:
+            first = self.opts.tasks + sum(1 for s in self.submitted if s.get("cover"))
+        for item in cover_items(self.opts, self.cover_rng, first):
+            self._publish({**item, "at": time.monotonic() - self.t0})
 
     def submit_chords(self, the_plan: list[dict[str, Any]], t0: float) -> None:
         """Each planned chord, published at its time: its members (``chaos.exclusive``,
