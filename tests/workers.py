@@ -208,3 +208,22 @@ def celery_cli(env: Mapping[str, str], *args: str) -> subprocess.CompletedProces
 
 def now() -> float:
     return time.time()
+
+
+def signal_when_active(app: Any, worker: Worker, task_ids: list[str], sig: int) -> int:
+    """Send ``sig`` to ``worker`` once it reports exactly ``task_ids`` active
+    (``[]``: idle), and return its exit code (within 30 s).
+
+    The report is a control reply, which comes from the worker's event loop, so
+    the signal finds that loop idle: Celery 5.7's cold shutdown can hang for
+    good when SIGQUIT lands while the main process handles a pool message (its
+    handler joins the pool from inside the result handler).
+    """
+    inspect = app.control.inspect(destination=[worker.hostname], timeout=2)
+
+    def active() -> list[str]:
+        return [r["id"] for r in (inspect.active() or {}).get(worker.hostname, [None])]
+
+    wait_for(lambda: active() == task_ids, 30, f"{worker.name} to report {task_ids} active")
+    worker.proc.send_signal(sig)
+    return int(worker.proc.wait(30))

@@ -18,7 +18,7 @@ import celery_lease
 from celery_lease import LeaseStore
 from tests.apps.leaseapp import build
 from tests.servers import free_port, wait_for
-from tests.workers import Worker, read_log
+from tests.workers import Worker, read_log, signal_when_active
 
 pytest.importorskip("prometheus_client")
 
@@ -262,14 +262,7 @@ def test_a_worker_leaves_nothing_in_its_temporary_directory_when_it_stops(
         samples_dir = next(tmpdir.glob("celery-lease-*"), None) if made else given
         assert samples_dir is not None and samples_dir.parent == (tmpdir if made else tmp_path)
         assert any(samples_dir.glob("counter_*.db")), "the samples are written there"
-        # Idle first: Celery 5.7's cold shutdown can hang for good when SIGQUIT
-        # lands while the main process handles a pool result (its handler joins
-        # the pool from inside the result handler). A control reply comes from
-        # that same loop once the task is off its books.
-        inspect = tasks.work.app.control.inspect(destination=[worker.hostname], timeout=2)
-        wait_for(lambda: inspect.active() == {worker.hostname: []}, 30, "the worker idle")
-        worker.proc.send_signal(stop)
-        assert worker.proc.wait(30) == 0, "the worker stopped by itself"
+        assert signal_when_active(tasks.work.app, worker, [], stop) == 0, "it stopped by itself"
     finally:
         worker.kill()
     assert sorted(p.name for p in tmpdir.iterdir()) == []
