@@ -307,7 +307,11 @@ class WorkerRun:
             "--without-mingle", "--without-gossip", "--without-heartbeat",
         ]  # fmt: skip
         environ = {k: v for k, v in os.environ.items() if not k.startswith("BENCH_")}
-        environ.update(PYTHONPATH=str(ROOT), **self.vars)
+        # The run's own TMPDIR, deleted with it: a worker stopped by SIGKILL
+        # leaves billiard's temporary directory behind.
+        tmp = self.dir / "tmp"
+        tmp.mkdir(exist_ok=True)
+        environ.update(PYTHONPATH=str(ROOT), TMPDIR=str(tmp), **self.vars)
         with open(self.log_path, "ab") as fh:
             self.proc = spawn(argv, log=fh, env=environ, cwd=str(ROOT))
 
