@@ -221,8 +221,11 @@ def signal_when_active(app: Any, worker: Worker, task_ids: list[str], sig: int) 
     """
     inspect = app.control.inspect(destination=[worker.hostname], timeout=2)
 
-    def active() -> list[str]:
-        return [r["id"] for r in (inspect.active() or {}).get(worker.hostname, [None])]
+    def active() -> list[str] | None:  # None: no reply within the timeout, ask again
+        replies = inspect.active() or {}
+        if worker.hostname not in replies:
+            return None
+        return [r["id"] for r in replies[worker.hostname]]
 
     wait_for(lambda: active() == task_ids, 30, f"{worker.name} to report {task_ids} active")
     worker.proc.send_signal(sig)
